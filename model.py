@@ -1,0 +1,663 @@
+"""
+A Llama-style transformer that runs on a *packed* 1-D token stream.
+
+Several sequences are concatenated into one stream of T tokens with no padding:
+  input_ids    (T,)    the tokens
+  position_ids (T,)    restart at 0 for every sequence (RoPE reads them)
+  cu_seqlens   (N+1,)  int32 sequence boundaries: sequence i is [cu_seqlens[i], cu_seqlens[i+1])
+  max_seqlen   int     the longest sequence (the attention kernels want it on the host)
+Attention never crosses a boundary, so the stream computes exactly what N separate padded rows would.
+
+Contents, top to bottom: config + presets, RMSNorm, RoPE (eager reference + fused Triton kernel),
+attention (one dispatch over the varlen backends), MLP, Block, Transformer, the LM-head loss that
+never materialises full logits, Hugging Face checkpoint load/save, FLOPs per token.
+"""
+
+import json
+import math
+import os
+from dataclasses import dataclass, asdict
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+try:
+    import triton
+    import triton.language as tl
+    HAS_TRITON = True
+except ImportError:  # CPU-only installs need not have triton; the eager RoPE is used there
+    HAS_TRITON = False
+
+try:
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
+
+try:
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+# -----------------------------------------------------------------------------
+# Config
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 512
+    n_layer: int = 6
+    n_head: int = 6
+    n_kv_head: Optional[int] = None  # None -> n_head (no GQA)
+    d_model: int = 192
+    ffn_hidden: int = 512
+    head_dim: Optional[int] = None  # None -> d_model // n_head
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3", factor, ...} or {"rope_type": "linear", "factor": f}
+    max_seq_len: int = 2048  # RoPE table size; Hugging Face's max_position_embeddings
+    norm_eps: float = 1e-5
+    qkv_bias: bool = False  # Qwen2 has biases on q, k, v (not on o)
+    tie_embeddings: bool = False
+    sliding_window: Optional[int] = None  # Mistral: a token sees itself and the sliding_window-1 before it
+    arch: str = "llama"  # which Hugging Face architecture save_pretrained writes: llama | qwen2 | mistral
+
+    def __post_init__(self):
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.head_dim is None:
+            self.head_dim = self.d_model // self.n_head
+        assert self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}"
+        assert self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}"
+        assert self.arch in ("llama", "qwen2", "mistral"), f"unknown arch {self.arch!r}"
+        # Embedding/head rows padded to a multiple of 64 keep the head matmul on fast tile sizes;
+        # the extra rows are zero, never indexed by a token, and cut off before any softmax.
+        self.padded_vocab_size = -(-self.vocab_size // 64) * 64
+
+
+PRESETS = {
+    # ~2.4M parameters with a 512-token vocab: learns the built-in arithmetic task on a laptop CPU.
+    "toy": dict(vocab_size=512, n_layer=6, n_head=6, n_kv_head=2, d_model=192, ffn_hidden=512, max_seq_len=2048),
+    "smollm2-135m": dict(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, d_model=576, ffn_hidden=1536,
+                         rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
+    "qwen2.5-0.5b": dict(vocab_size=151936, n_layer=24, n_head=14, n_kv_head=2, d_model=896, ffn_hidden=4864,
+                         rope_theta=1000000.0, max_seq_len=32768, norm_eps=1e-6, qkv_bias=True,
+                         tie_embeddings=True, arch="qwen2"),
+    "llama-3.2-1b": dict(vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, d_model=2048, ffn_hidden=8192,
+                         rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True,
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama-3.1-8b": dict(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, ffn_hidden=14336,
+                         rope_theta=500000.0, max_seq_len=131072,
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+}
+
+
+def config_from_preset(name, **overrides):
+    if name not in PRESETS:
+        raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
+    return ModelConfig(**{**PRESETS[name], **overrides})
+
+
+# -----------------------------------------------------------------------------
+# RMSNorm
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        # statistics in float32 whatever the activation dtype (bf16 squares lose digits), like the reference
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+# -----------------------------------------------------------------------------
+# RoPE: inverse frequencies (with Llama-3 / linear scaling), eager reference, fused Triton kernel
+
+
+def rope_inv_freq(config):
+    dim, base = config.head_dim, config.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (D/2,)
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", "default")
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        # Llama 3.1: keep high frequencies, divide low ones by `factor`, blend smoothly in between
+        factor, lo, hi = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > old_len / lo, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
+        inv_freq = torch.where(is_medium, smoothed, scaled)
+    elif kind != "default":
+        raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
+    return inv_freq
+
+
+def rope_tables(config, device):
+    """cos, sin: (max_seq_len, D/2) float32, looked up by position id."""
+    inv_freq = rope_inv_freq(config).to(device)
+    freqs = torch.outer(torch.arange(config.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    return freqs.cos(), freqs.sin()
+
+
+def rope_reference(q, k, cos, sin, position_ids):
+    """q: (T, Hq, D), k: (T, Hkv, D); cos/sin: (P, D/2) float32; position_ids: (T,) int64.
+    Non-interleaved (Hugging Face 'rotate_half') layout, math in float32, result in the input dtype."""
+    c, s = cos[position_ids][:, None, :], sin[position_ids][:, None, :]  # (T, 1, D/2)
+
+    def rotate(x):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1).to(x.dtype)
+
+    return rotate(q), rotate(k)
+
+
+def apply_rope(q, k, cos, sin, position_ids):
+    return rope_reference(q, k, cos, sin, position_ids)
+
+
+# -----------------------------------------------------------------------------
+# Attention over a packed stream: one dispatch function, backend chosen once per device type
+
+
+_ATTN_BACKEND = {}  # device type -> backend name; tests may set it to force a backend
+
+
+def attention_backend(device, dtype):
+    if device.type not in _ATTN_BACKEND:
+        if device.type == "cuda" and flash_attn_varlen_func is not None:
+            name = "flash_attn"
+        elif device.type == "cuda" and varlen_attn is not None:
+            name = "torch_varlen"
+        else:
+            name = "sdpa"
+        _ATTN_BACKEND[device.type] = name
+        print(f"nanopack: attention backend on {device.type}: {name}")
+    name = _ATTN_BACKEND[device.type]
+    # the flash kernels take half precision only; a float32 run (e.g. a parity test) uses the exact fallback
+    return name if dtype in (torch.float16, torch.bfloat16) else "sdpa"
+
+
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None):
+    """Causal attention within each packed sequence. q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D)."""
+    backend = attention_backend(q.device, q.dtype)
+    left = -1 if sliding_window is None else sliding_window - 1  # tokens seen before the query
+    if backend == "flash_attn":
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                      causal=True, window_size=(left, 0))
+    if backend == "torch_varlen":
+        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                           window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
+    # Exact fallback for any device: one SDPA call per sequence, so memory is O(max L^2), not O(T^2).
+    # The Python loop and .tolist() sync are fine on CPU; CUDA uses the varlen kernels above.
+    outs = []
+    bounds = cu_seqlens.tolist()
+    for start, end in zip(bounds[:-1], bounds[1:]):
+        qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))  # (H, L, D)
+        L = end - start
+        mask = None
+        if sliding_window is not None and L > sliding_window:
+            i = torch.arange(L, device=q.device)
+            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)  # (L, L)
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
+                                           enable_gqa=qi.shape[0] != ki.shape[0])
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs, dim=0)
+
+
+class Attention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        C, H, Hkv, D = config.d_model, config.n_head, config.n_kv_head, config.head_dim
+        self.q_proj = nn.Linear(C, H * D, bias=config.qkv_bias)
+        self.k_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
+        self.v_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(H * D, C, bias=False)
+
+    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen):
+        T, cfg = x.shape[0], self.config
+        q = self.q_proj(x).view(T, cfg.n_head, cfg.head_dim)
+        k = self.k_proj(x).view(T, cfg.n_kv_head, cfg.head_dim)
+        v = self.v_proj(x).view(T, cfg.n_kv_head, cfg.head_dim)
+        q, k = apply_rope(q, k, *rope, position_ids)
+        y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window)  # (T, H, D)
+        return self.o_proj(y.reshape(T, -1))
+
+
+# -----------------------------------------------------------------------------
+# MLP and Block
+
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.gate_proj = nn.Linear(config.d_model, config.ffn_hidden, bias=False)
+        self.up_proj = nn.Linear(config.d_model, config.ffn_hidden, bias=False)
+        self.down_proj = nn.Linear(config.ffn_hidden, config.d_model, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+
+
+class Block(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.self_attn = Attention(config)
+        self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen):
+        x = x + self.self_attn(self.input_layernorm(x), rope, position_ids, cu_seqlens, max_seqlen)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# -----------------------------------------------------------------------------
+# The model
+
+
+class Transformer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        # Module names follow Hugging Face's Llama so checkpoints map one-to-one (see from_pretrained)
+        self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.d_model)
+        self.layers = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.norm = RMSNorm(config.d_model, config.norm_eps)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
+        self._rope = {}  # device -> (cos, sin); kept out of the state dict and out of .to(dtype)
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        # GPT-2 style: N(0, 0.02), with the residual-branch outputs scaled down by sqrt(2 * n_layer) so
+        # the residual stream's variance does not grow with depth at init.
+        std = 0.02
+        for name, p in self.named_parameters():
+            if name.endswith("bias"):
+                p.zero_()
+            elif "layernorm" in name or name == "norm.weight":
+                p.fill_(1.0)
+            elif name.endswith(("o_proj.weight", "down_proj.weight")):
+                p.normal_(0.0, std / math.sqrt(2 * self.config.n_layer))
+            else:
+                p.normal_(0.0, std)
+        self.head_weight()[self.config.vocab_size:].zero_()
+
+    def head_weight(self):
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def num_params(self):
+        return sum(p.numel() for p in self.parameters())
+
+    def rope(self, device):
+        if device not in self._rope:
+            self._rope[device] = rope_tables(self.config, device)
+        return self._rope[device]
+
+    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None):
+        """The trunk: (T,) token ids -> (T, d_model) final-normed hidden states."""
+        T = input_ids.shape[0]
+        if cu_seqlens is None:  # a plain (T,) call is one sequence
+            cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device)
+            max_seqlen = T
+        if position_ids is None:
+            assert cu_seqlens.numel() == 2, "packed input needs position_ids restarting at 0 per sequence"
+            position_ids = torch.arange(T, device=input_ids.device)
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # host sync; the packer passes it
+        if max_seqlen > self.config.max_seq_len:
+            raise ValueError(f"a sequence of {max_seqlen} tokens exceeds max_seq_len={self.config.max_seq_len} "
+                             f"(the RoPE table size); raise max_seq_len in the config or use shorter sequences")
+        rope = self.rope(input_ids.device)
+        x = self.embed_tokens(input_ids)
+        for block in self.layers:
+            x = block(x, rope, position_ids, cu_seqlens, max_seqlen)
+        return self.norm(x)
+
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None, loss_weights=None):
+        """Without labels: logits (T, vocab_size). With labels (T,), -100 = ignored, un-shifted (position t
+        predicts labels[t+1]): (summed cross-entropy, number of target tokens), without full logits.
+        loss_weights (T,), aligned with labels, weights each target token's loss (e.g. 1/len per sequence)."""
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
+        if labels is None:
+            return F.linear(h, self.head_weight())[:, :self.config.vocab_size]
+        targets = shift_targets(labels, cu_seqlens)
+        weights = None if loss_weights is None else F.pad(loss_weights[1:], (0, 1))
+        return chunked_cross_entropy(h, self.head_weight(), targets, self.config.vocab_size, weights)
+
+    def token_logprobs(self, input_ids, labels, position_ids=None, cu_seqlens=None, max_seqlen=None):
+        """(T,) float32 log p(labels[t] | earlier tokens of its sequence), 0 where labels == -100.
+        Aligned with labels, so a per-sequence sum is one index_add_ over sequence ids (DPO)."""
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
+        logps = chunked_logprobs(h, self.head_weight(), shift_targets(labels, cu_seqlens), self.config.vocab_size)
+        return F.pad(logps[:-1], (1, 0))  # hidden t scored labels[t+1]: move the score onto t+1
+
+    def flops_per_token(self, seq_lens, head_tokens=None):
+        """Training FLOPs (forward + backward) per real token of a packed batch with these sequence lengths.
+        6 per matmul parameter per token (2 forward, 4 backward), plus causal attention from the *actual*
+        lengths: QK^T and AV cost 4*L^2*H*D forward per layer for full attention, half of that causal,
+        times 3 for fwd+bwd -> 6 * n_layer * H * D * sum(L^2) / sum(L). Embedding lookups are not matmuls.
+        The LM head only runs on target tokens; pass head_tokens to count it there alone."""
+        cfg = self.config
+        lens = torch.as_tensor(seq_lens, dtype=torch.float64)
+        n_tokens = float(lens.sum())
+        head = cfg.d_model * cfg.vocab_size
+        trunk = self.num_params() - self.embed_tokens.weight.numel() - (0 if self.lm_head is None else self.lm_head.weight.numel())
+        head_share = 1.0 if head_tokens is None else head_tokens / n_tokens
+        attn = 6 * cfg.n_layer * cfg.n_head * cfg.head_dim * float((lens ** 2).sum()) / n_tokens
+        return 6 * trunk + 6 * head * head_share + attn
+
+
+def shift_targets(labels, cu_seqlens):
+    """targets[t] = labels[t+1]: what hidden state t must predict. The last position of every sequence
+    predicts nothing, whatever the labels say, so no loss ever crosses a packed boundary."""
+    targets = F.pad(labels[1:], (0, 1), value=-100)
+    if cu_seqlens is not None:
+        targets[cu_seqlens[1:].long() - 1] = -100
+    return targets
+
+
+# -----------------------------------------------------------------------------
+# LM head + loss over chunks of tokens: peak memory O(chunk * vocab), never O(T * vocab)
+
+# Tokens per head chunk. A chunk holds two (chunk, vocab) float32 buffers (log-probs and their gradient):
+# 2048 x 128k x 4 bytes = 1 GiB each, while (2048, d) @ (d, 128k) is still a large, efficient matmul.
+LOSS_CHUNK = 2048
+
+
+def _compute_dtype(h):
+    return torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+
+
+def _chunk_logprobs(h, w, targets, vocab_size):
+    """h: (C, d), w: (Vp, d) -> float32 log-softmax over the real vocab (C, V) and the targets' log-probs (C,)."""
+    logits = (h @ w.t()).float()[:, :vocab_size]
+    logp = torch.log_softmax(logits, dim=-1)
+    return logp, logp.gather(1, targets[:, None]).squeeze(1)
+
+
+def _select(h, targets):
+    # positions without a target skip the head entirely (e.g. prompt tokens in SFT); nonzero syncs once
+    idx = (targets != -100).nonzero().squeeze(1)
+    return idx, h.index_select(0, idx), targets.index_select(0, idx)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """sum_t weight_t * CE(h_t @ W^T, target_t). The loss is a weighted sum with weights known up front,
+    so the gradients are computed chunk by chunk in the forward pass (3 matmuls per chunk, not 4) and
+    the backward only scales them: the (T, V) logits never exist, neither forward nor backward."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, vocab_size, weights, need_grad):
+        dtype = _compute_dtype(h)
+        with torch.autocast(h.device.type, enabled=False):
+            idx, hs, ts = _select(h, targets)
+            hs, wc = hs.to(dtype), w.to(dtype)
+            ws = None if weights is None else weights.index_select(0, idx).float()
+            loss = torch.zeros((), device=h.device, dtype=torch.float32)
+            if need_grad:
+                grad_hs = torch.empty_like(hs)
+                grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+            for s in range(0, hs.shape[0], LOSS_CHUNK):
+                hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
+                logp, tgt = _chunk_logprobs(hc, wc, tc, vocab_size)
+                wt = None if ws is None else ws[s:s + LOSS_CHUNK]
+                loss -= tgt.sum() if wt is None else (tgt * wt).sum()
+                if not need_grad:
+                    continue
+                # d(-log p_t)/d logits = softmax - onehot(target)
+                g = logp.exp_()
+                g[torch.arange(len(tc), device=g.device), tc] -= 1.0
+                if wt is not None:
+                    g *= wt[:, None]
+                g = g.to(dtype)
+                grad_hs[s:s + LOSS_CHUNK] = g @ wc[:vocab_size]
+                grad_w[:vocab_size] += (g.t() @ hc).float()
+        if need_grad:
+            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
+            ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """Per-token log p(target_t) for a loss not known in advance (DPO): the backward recomputes each
+    chunk's logits instead of keeping them (4 matmuls per chunk, memory O(chunk * vocab))."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, vocab_size):
+        dtype = _compute_dtype(h)
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            idx, hs, ts = _select(h, targets)
+            hs, wc = hs.to(dtype), w.to(dtype)
+            out = torch.zeros(h.shape[0], device=h.device, dtype=torch.float32)
+            for s in range(0, hs.shape[0], LOSS_CHUNK):
+                out[idx[s:s + LOSS_CHUNK]] = _chunk_logprobs(hs[s:s + LOSS_CHUNK], wc, ts[s:s + LOSS_CHUNK], vocab_size)[1]
+        ctx.save_for_backward(h, w, targets)
+        ctx.vocab_size, ctx.dtype = vocab_size, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, w, targets = ctx.saved_tensors
+        dtype, V = ctx.dtype, ctx.vocab_size
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            idx, hs, ts = _select(h, targets)
+            hs, wc, gs = hs.to(dtype), w.to(dtype), grad_out.index_select(0, idx).float()
+            grad_hs = torch.empty_like(hs)
+            grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+            for s in range(0, hs.shape[0], LOSS_CHUNK):
+                hc, tc, gc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK], gs[s:s + LOSS_CHUNK]
+                logp, _ = _chunk_logprobs(hc, wc, tc, V)
+                # d log p_t / d logits = onehot(target) - softmax, scaled by the upstream gradient
+                g = logp.exp_().neg_()
+                g[torch.arange(len(tc), device=g.device), tc] += 1.0
+                g = (g * gc[:, None]).to(dtype)
+                grad_hs[s:s + LOSS_CHUNK] = g @ wc[:V]
+                grad_w[:V] += (g.t() @ hc).float()
+            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
+        return grad_h, grad_w.to(w.dtype), None, None
+
+
+def chunked_cross_entropy(h, w, targets, vocab_size, weights=None):
+    """h: (T, d), w: (Vp, d), targets: (T,) with -100 ignored -> (summed CE float32 scalar, n_targets tensor)."""
+    n = (targets != -100).sum()
+    # forward() runs with grad mode off, so whether gradients are wanted (not in evaluation) is decided here
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
+    return ChunkedCrossEntropy.apply(h, w, targets, vocab_size, weights, need_grad), n
+
+
+def chunked_logprobs(h, w, targets, vocab_size):
+    """h: (T, d), w: (Vp, d), targets: (T,) -> (T,) float32 log p(target), 0 where the target is -100."""
+    return ChunkedLogprobs.apply(h, w, targets, vocab_size)
+
+
+# -----------------------------------------------------------------------------
+# Hugging Face checkpoints: config.json + model.safetensors (or shards + index)
+
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
+
+def config_from_hf(hf, source="config.json"):
+    """Translate a Hugging Face config dict; anything we would silently compute differently is an error."""
+    def unsupported(key, why):
+        raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported: {why}")
+
+    arch = hf.get("model_type")
+    if arch not in _HF_ARCH:
+        unsupported("model_type", f"nanopack loads {sorted(_HF_ARCH)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        unsupported("hidden_act", "the MLP is SwiGLU (silu)")
+    if hf.get("mlp_bias"):
+        unsupported("mlp_bias", "the MLP has no biases")
+    if arch != "qwen2" and hf.get("attention_bias"):
+        unsupported("attention_bias", "only Qwen2-style q/k/v biases are implemented (no o_proj bias)")
+    # rope: newer transformers write rope_parameters (with rope_theta inside), older rope_theta + rope_scaling
+    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
+    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    if kind not in ("default", "linear", "llama3"):
+        unsupported("rope_parameters" if "rope_parameters" in hf else "rope_scaling",
+                    f"rope_type {kind!r} (supported: default, linear, llama3)")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        unsupported("partial_rotary_factor", "RoPE rotates the whole head")
+    scaling = None if kind == "default" else {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": kind}
+    window = None
+    if arch == "mistral":
+        window = hf.get("sliding_window")
+    elif hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+        unsupported("use_sliding_window", "per-layer sliding windows (Qwen2 max_window_layers) are not implemented")
+    if window is not None and window >= hf.get("max_position_embeddings", 0):
+        window = None  # a window no sequence can exceed changes nothing
+    return ModelConfig(
+        vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
+        n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"], d_model=hf["hidden_size"],
+        ffn_hidden=hf["intermediate_size"], head_dim=hf.get("head_dim"), rope_theta=float(theta),
+        rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 2048),
+        norm_eps=hf.get("rms_norm_eps", 1e-5), qkv_bias=(arch == "qwen2"),
+        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window, arch=arch)
+
+
+def config_to_hf(cfg, dtype):
+    hf = dict(architectures=[_HF_ARCH[cfg.arch]], model_type=cfg.arch, vocab_size=cfg.vocab_size,
+              hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.n_layer,
+              num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim,
+              hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+              rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, tie_word_embeddings=cfg.tie_embeddings,
+              torch_dtype=str(dtype).removeprefix("torch."))
+    if cfg.arch == "llama":
+        hf.update(attention_bias=False, mlp_bias=False)
+    if cfg.arch == "mistral":
+        hf.update(sliding_window=cfg.sliding_window)
+    if cfg.arch == "qwen2":
+        hf.update(use_sliding_window=False, sliding_window=None)
+    return hf
+
+
+def _hf_key(name):
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _load_tensors(path):
+    from safetensors.torch import load_file
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+    elif os.path.exists(os.path.join(path, "model.safetensors")):
+        files = ["model.safetensors"]
+    else:
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; "
+                                f"point to a Hugging Face model folder (pytorch_model.bin is not read: unsafe pickle)")
+    tensors = {}
+    for f in files:
+        tensors.update(load_file(os.path.join(path, f)))
+    return tensors
+
+
+@classmethod
+def from_pretrained(cls, path, dtype=None, device="cpu"):
+    """Load a local Hugging Face Llama / Qwen2 / Mistral folder. dtype None keeps the checkpoint's dtype."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} not found: point to a Hugging Face model folder")
+    with open(cfg_path) as f:
+        config = config_from_hf(json.load(f), cfg_path)
+    tensors = _load_tensors(path)
+    with torch.device("meta"):
+        model = cls(config)
+    state = {}
+    for name, p in model.named_parameters():
+        key = _hf_key(name)
+        if key not in tensors:
+            raise KeyError(f"{path}: tensor {key!r} missing from the checkpoint")
+        t = tensors[key]
+        if t.shape[0] != p.shape[0] and name in ("embed_tokens.weight", "lm_head.weight"):
+            t = F.pad(t, (0, 0, 0, p.shape[0] - t.shape[0]))  # zero rows up to the padded vocab
+        if t.shape != p.shape:
+            raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
+        state[name] = t.to(device=device, dtype=dtype or t.dtype)
+    model.load_state_dict(state, assign=True)
+    return model
+
+
+def save_pretrained(self, path, max_shard_bytes=5 * 2**30):
+    """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads."""
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    V = self.config.vocab_size
+    tensors = {}
+    for name, p in self.state_dict().items():
+        t = p.detach()
+        if name in ("embed_tokens.weight", "lm_head.weight"):
+            t = t[:V]  # drop the vocab padding
+        tensors[_hf_key(name)] = t.contiguous().cpu()
+    shards, size = [{}], 0
+    for key, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][key] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+            weight_map.update({k: fname for k in shard})
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(self.config, self.embed_tokens.weight.dtype), f, indent=2)
+
+
+Transformer.from_pretrained = from_pretrained
+Transformer.save_pretrained = save_pretrained
+
+
+# -----------------------------------------------------------------------------
+# Smoke run: python model.py trains the toy preset for a few steps on a packed stream and shows the loss fall
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    cfg = config_from_preset("toy")
+    model = Transformer(cfg)
+    print(f"toy model: {model.num_params() / 1e6:.2f}M parameters")
+    # sequences of varied length counting up from a random start: learnable, and positions matter
+    lens = [37, 120, 64, 9, 200, 81]
+    seqs = [(torch.arange(n) + torch.randint(0, 300, ())) % cfg.vocab_size for n in lens]
+    input_ids = torch.cat(seqs)
+    position_ids = torch.cat([torch.arange(n) for n in lens])
+    cu_seqlens = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(torch.int32)
+    labels = input_ids.clone()
+    labels[cu_seqlens[:-1].long()] = -100
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(31):
+        loss_sum, n = model(input_ids, position_ids, cu_seqlens, max(lens), labels=labels)
+        loss = loss_sum / n
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if step % 10 == 0:
+            print(f"step {step}: loss {loss.item():.4f} over {int(n)} target tokens in {len(lens)} packed sequences")
