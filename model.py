@@ -23,12 +23,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-    HAS_TRITON = True
-except ImportError:  # CPU-only installs need not have triton; the eager RoPE is used there
-    HAS_TRITON = False
+HAS_TRITON = False
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    # only where the fused kernel can run (or its CPU interpreter test): importing triton costs seconds
+    try:
+        import triton
+        import triton.language as tl
+        HAS_TRITON = True
+    except ImportError:  # the eager RoPE is used instead
+        pass
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -162,7 +165,92 @@ def rope_reference(q, k, cos, sin, position_ids):
     return rotate(q), rotate(k)
 
 
+if HAS_TRITON:
+    @triton.jit
+    def _rotate_tile(x_ptr, out_ptr, stride_t, stride_h, n_head, tok, cos, sin,
+                     H_PAD: tl.constexpr, HALF: tl.constexpr):
+        # tok: (BLOCK_T,) int64 token indices (-1 where past T); cos, sin: (BLOCK_T, 1, HALF) float32
+        h = tl.arange(0, H_PAD)[None, :, None]
+        d = tl.arange(0, HALF)[None, None, :]
+        mask = (tok[:, None, None] >= 0) & (h < n_head)  # (BLOCK_T, H_PAD, 1), broadcast over d
+        x1_ptrs = x_ptr + tok[:, None, None] * stride_t + h * stride_h + d  # last dim is contiguous
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+        o1_ptrs = out_ptr + tok[:, None, None] * (n_head * 2 * HALF) + h * (2 * HALF) + d  # out is contiguous
+        tl.store(o1_ptrs, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o1_ptrs + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, T,
+                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_q_head, n_kv_head,
+                     BLOCK_T: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+                     HALF: tl.constexpr, INVERSE: tl.constexpr):
+        # int64 token index: T * stride of a fused qkv buffer can pass 2**31 at long packed lengths
+        tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tok = tl.where(tok < T, tok, -1)
+        pos = tl.load(pos_ptr + tok, mask=tok >= 0, other=0)  # (BLOCK_T,) packed positions restart at 0
+        d = tl.arange(0, HALF)[None, None, :]
+        cos = tl.load(cos_ptr + pos[:, None, None] * HALF + d)  # (BLOCK_T, 1, HALF), read once for q and k
+        sin = tl.load(sin_ptr + pos[:, None, None] * HALF + d)
+        if INVERSE:  # backward: the rotation is orthogonal, so its transpose is the rotation by -angle
+            sin = -sin
+        _rotate_tile(q_ptr, q_out_ptr, q_stride_t, q_stride_h, n_q_head, tok, cos, sin, HQ_PAD, HALF)
+        _rotate_tile(k_ptr, k_out_ptr, k_stride_t, k_stride_h, n_kv_head, tok, cos, sin, HKV_PAD, HALF)
+
+
+def _rope_launch(q, k, cos, sin, position_ids, inverse):
+    T, n_q_head, D = q.shape
+    n_kv_head = k.shape[1]
+    # Token and head strides go to the kernel, so q/k slices of a fused qkv projection are read in
+    # place; only a non-unit last-dim stride (not produced by slicing heads) costs a copy.
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # outputs contiguous: (T, Hq, D)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    # Launch design: one program = BLOCK_T tokens x all heads of q and k, so each (cos, sin) row is
+    # loaded once and reused for Hq + Hkv heads. RoPE is memory-bound; the tile is sized to ~2048
+    # elements per half (Llama-3-8B: 1 token x 32 heads x 64; small models get more tokens per
+    # program) which keeps registers low at num_warps=4 and gives T/BLOCK_T programs, plenty to
+    # fill an H100's 132 SMs at packed lengths of thousands of tokens.
+    hq_pad = triton.next_power_of_2(n_q_head)
+    block_t = max(1, 2048 // (hq_pad * (D // 2)))
+    grid = (triton.cdiv(T, block_t),)
+    _rope_kernel[grid](q, k, q_out, k_out, cos, sin, position_ids, T,
+                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), n_q_head, n_kv_head,
+                       BLOCK_T=block_t, HQ_PAD=hq_pad, HKV_PAD=triton.next_power_of_2(n_kv_head),
+                       HALF=D // 2, INVERSE=inverse)
+    return q_out, k_out
+
+
+class _RopeFused(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, cos, sin, position_ids):
+        ctx.save_for_backward(cos, sin, position_ids)
+        return _rope_launch(q, k, cos, sin, position_ids, inverse=False)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_k):
+        cos, sin, position_ids = ctx.saved_tensors
+        grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, position_ids, inverse=True)
+        return grad_q, grad_k, None, None, None  # cos/sin are fixed buffers, positions are ints
+
+
+def rope_fused(q, k, cos, sin, position_ids):
+    """Same contract as rope_reference, as one Triton launch for Q and K together (backward: one more)."""
+    if not HAS_TRITON:
+        raise RuntimeError("rope_fused needs triton (pip install triton); use rope_reference instead")
+    D = q.shape[-1]
+    if D < 16 or D & (D - 1) or k.shape[-1] != D or k.shape[0] != q.shape[0]:
+        raise ValueError(f"rope_fused needs q (T, Hq, D), k (T, Hkv, D) with D a power of two >= 16, "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    # The tables are small and already contiguous float32 in the model: these are no-op guards.
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()
+    return _RopeFused.apply(q, k, cos, sin, position_ids.contiguous())
+
+
 def apply_rope(q, k, cos, sin, position_ids):
+    if q.is_cuda and HAS_TRITON:
+        return rope_fused(q, k, cos, sin, position_ids)
     return rope_reference(q, k, cos, sin, position_ids)
 
 
