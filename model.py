@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 HAS_TRITON = False
 if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
@@ -288,17 +289,20 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None):
                            window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
     # Exact fallback for any device: one SDPA call per sequence, so memory is O(max L^2), not O(T^2).
     # The Python loop and .tolist() sync are fine on CPU; CUDA uses the varlen kernels above.
+    # K/V heads are repeated for GQA here: SDPA's enable_gqa falls to a math path ~30x slower on CPU.
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    # split, not slicing in the loop: the backward of split is one cat, a slice's is a zero (T, H, D) each
+    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outs = []
-    bounds = cu_seqlens.tolist()
-    for start, end in zip(bounds[:-1], bounds[1:]):
-        qi, ki, vi = (t[start:end].transpose(0, 1) for t in (q, k, v))  # (H, L, D)
-        L = end - start
+    for qi, ki, vi in zip(q.split(lens), k.split(lens), v.split(lens)):
+        qi, ki, vi = qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)  # (H, L, D)
+        L = qi.shape[1]
         mask = None
         if sliding_window is not None and L > sliding_window:
             i = torch.arange(L, device=q.device)
             mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)  # (L, L)
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None,
-                                           enable_gqa=qi.shape[0] != ki.shape[0])
+        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None)
         outs.append(o.transpose(0, 1))
     return torch.cat(outs, dim=0)
 
@@ -365,6 +369,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         self._rope = {}  # device -> (cos, sin); kept out of the state dict and out of .to(dtype)
+        self.activation_checkpointing = False  # recompute each block in backward: less memory, ~1/3 more compute
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
@@ -412,7 +417,11 @@ class Transformer(nn.Module):
         rope = self.rope(input_ids.device)
         x = self.embed_tokens(input_ids)
         for block in self.layers:
-            x = block(x, rope, position_ids, cu_seqlens, max_seqlen)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, position_ids, cu_seqlens, max_seqlen,
+                                                      use_reentrant=False)
+            else:
+                x = block(x, rope, position_ids, cu_seqlens, max_seqlen)
         return self.norm(x)
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None, loss_weights=None):
