@@ -1,0 +1,304 @@
+"""
+Chat JSONL -> the token files packing.py reads.
+
+    python data/prepare.py --input chats.jsonl --out_dir data/chats --tokenizer byte
+    python data/prepare.py --input prefs.jsonl --out_dir data/prefs --tokenizer ~/models/Qwen2.5-0.5B \
+        --max_len 4096 --overlong truncate --val_fraction 0.01
+
+Accepted lines (the first line decides SFT or DPO; one kind per file):
+  SFT  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+  DPO  {"chosen": [messages], "rejected": [messages]}
+       the prompt is their longest common prefix; what follows it must be assistant turns
+  DPO  {"prompt": str | [messages], "chosen": str | [assistant messages], "rejected": the same}
+       if chosen/rejected hold whole conversations (non-assistant turns), the prompt field is
+       ignored and inferred as above (the Hugging Face "ultrafeedback_binarized" layout)
+
+Output in out_dir, per split (train, val): <split>_ids.npy (uint16 if the vocab fits, else uint32),
+<split>_offsets.npy (int64, example i = ids[offsets[i]:offsets[i+1]]), <split>_mask.npy (uint8, 1 on
+trained tokens), and meta.json. A DPO pair i is examples 2i (chosen) and 2i+1 (rejected).
+load(out_dir, split) maps them back as the dict packing.py takes.
+Each line goes to val with probability val_fraction, drawn from random.Random(seed) line by line.
+
+Sequences longer than --max_len tokens are handled by --overlong:
+  error     (default) stop, naming the line
+  truncate  keep the first max_len tokens of each sequence. A DPO pair is cut per sequence (the
+            shared prompt stays identical on both sides), and is skipped instead if that leaves
+            either side without response tokens or makes both sides equal: nothing left to compare
+  skip      drop the example (a DPO pair as a whole)
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from array import array
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python data/prepare.py
+from tokenizer import ROLES, get_tokenizer  # noqa: E402
+
+OVERLONG = ("error", "truncate", "skip")
+
+
+class DataError(ValueError):
+    """Bad input data. The message reads '{path}:{line}: {what} — {how to fix}'."""
+
+
+def read_jsonl(path, verbose=True):
+    """Yield (where, record) per non-blank line, where = 'path:line'. Streams; progress to stderr."""
+    size, t0, shown, lineno = max(os.path.getsize(path), 1), time.time(), time.time(), 0
+    with open(path, "rb") as f:  # bytes, decoded line by line, so a bad UTF-8 line can be named
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # -sig: a BOM some editors write
+            except UnicodeDecodeError as e:
+                raise DataError(f"{where}: invalid UTF-8 byte {raw[e.start:e.start + 1]!r} at byte "
+                                f"{e.start + 1} of the line — re-encode the file as UTF-8 (iconv -f latin1 "
+                                f"-t utf-8)") from None
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}) — each line must "
+                                f"be one complete JSON object; fix or delete this line") from None
+            if not isinstance(record, dict):
+                raise DataError(f"{where}: the line is a JSON {type(record).__name__}, not an object — write "
+                                f"one {{\"messages\": ...}} or {{\"chosen\", \"rejected\"}} object per line")
+            if verbose and time.time() - shown > 1.0:  # one progress line, rewritten once a second
+                shown = time.time()
+                print(f"\r{path}: {lineno:,} lines ({f.tell() / size:.0%}), "
+                      f"{lineno / (shown - t0):,.0f} lines/s", end="", file=sys.stderr, flush=True)
+            yield where, record
+    if verbose:
+        print(f"\r{path}: {lineno:,} lines (100%)" + " " * 24, file=sys.stderr)
+
+
+def check_messages(messages, field, where):
+    """Validate a message list; return it as plain {"role", "content"} dicts (extra keys dropped)."""
+    if not isinstance(messages, list) or not messages:
+        raise DataError(f"{where}: '{field}' must be a non-empty list of {{\"role\", \"content\"}} messages, "
+                        f"got {json.dumps(messages)[:60]} — fix the line's format")
+    out = []
+    for i, m in enumerate(messages):
+        at = f"{field}[{i}]"
+        if not isinstance(m, dict) or "role" not in m:
+            raise DataError(f"{where}: {at} has no 'role' — give every message a role, one of "
+                            f"{', '.join(ROLES)}")
+        if m["role"] not in ROLES:
+            raise DataError(f"{where}: {at}.role is {m['role']!r}, an unknown role — use one of "
+                            f"{', '.join(ROLES)} (rename it, or drop the message)")
+        if not isinstance(m.get("content"), str):
+            got = "missing" if "content" not in m else f"a {type(m['content']).__name__}"
+            raise DataError(f"{where}: {at}.content is {got}, not a string — content must be plain text "
+                            f"(flatten multi-part content into one string)")
+        if m["role"] == "assistant" and not m["content"].strip():
+            raise DataError(f"{where}: {at} is an empty assistant turn — write the reply or drop the line")
+        out.append(dict(role=m["role"], content=m["content"]))
+    return out
+
+
+def as_messages(x, field, role, where):
+    """A string (one message of `role`) or a message list -> a checked message list."""
+    return check_messages([dict(role=role, content=x)] if isinstance(x, str) else x, field, where)
+
+
+def parse(record, where):
+    """A JSONL record -> ("sft", messages) or ("dpo", (prompt, chosen, rejected) message lists)."""
+    if "messages" in record:
+        messages = check_messages(record["messages"], "messages", where)
+        if not any(m["role"] == "assistant" for m in messages):
+            raise DataError(f"{where}: no assistant turn in 'messages' — nothing would be trained; "
+                            f"add the assistant reply or drop the line")
+        return "sft", messages
+    if "chosen" in record and "rejected" in record:
+        chosen = as_messages(record["chosen"], "chosen", "assistant", where)
+        rejected = as_messages(record["rejected"], "rejected", "assistant", where)
+        if chosen == rejected:
+            raise DataError(f"{where}: chosen and rejected are identical — a preference pair needs two "
+                            f"different responses; drop the line")
+        if "prompt" in record and all(m["role"] == "assistant" for m in chosen + rejected):
+            prompt = as_messages(record["prompt"], "prompt", "user", where)
+        else:  # whole conversations: the prompt is the longest common prefix
+            n = 0
+            while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+                n += 1
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        for field, tail in (("chosen", chosen), ("rejected", rejected)):
+            if not tail:
+                raise DataError(f"{where}: '{field}' has no response after the prompt it shares with the "
+                                f"other side — each side needs its own assistant reply")
+            roles = {m["role"] for m in tail} - {"assistant"}
+            if roles:
+                raise DataError(f"{where}: chosen and rejected differ in a {roles.pop()} turn, not only in "
+                                f"assistant turns — both must share the same prompt messages, then differ "
+                                f"in the assistant's reply")
+        return "dpo", (prompt, chosen, rejected)
+    raise DataError(f"{where}: expected 'messages' (SFT) or 'chosen' and 'rejected' (DPO), got keys "
+                    f"{sorted(record)} — see the formats at the top of data/prepare.py")
+
+
+def tokenize(tok, kind, example, where, max_len, overlong):
+    """-> (sequences, status): sequences is [(ids, mask)] (SFT) or [chosen, rejected] (DPO), or None
+    when skipped; status is "ok", "truncated" or "skipped"."""
+    seqs = [tok.render(example)] if kind == "sft" else list(tok.render_pair(*example))
+    longest = max(len(ids) for ids, _ in seqs)
+    if longest <= max_len:
+        return seqs, "ok"
+    if overlong == "error":
+        what = "the example" if kind == "sft" else "the longer side of the pair"
+        raise DataError(f"{where}: {what} is {longest} tokens, more than max_len={max_len} — raise "
+                        f"--max_len, or pass --overlong truncate (keep the first max_len tokens) or skip")
+    if overlong == "skip":
+        return None, "skipped"
+    seqs = [(ids[:max_len], mask[:max_len]) for ids, mask in seqs]
+    if any(sum(mask) == 0 for _, mask in seqs) or (kind == "dpo" and seqs[0] == seqs[1]):
+        return None, "skipped"  # truncation left nothing to learn or nothing to compare
+    return seqs, "truncated"
+
+
+class TokenWriter:
+    """One split's sequences, appended to temporary files; close() turns them into .npy files."""
+
+    def __init__(self, out_dir, split, vocab_size):
+        self.prefix = os.path.join(out_dir, split)
+        self.dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
+        self.ids, self.mask = array("H" if self.dtype == np.uint16 else "I"), array("B")
+        self.offsets, self.target_tokens = array("q", [0]), 0
+        assert self.ids.itemsize == np.dtype(self.dtype).itemsize
+        self.files = {name: open(f"{self.prefix}_{name}.tmp", "wb") for name in ("ids", "mask")}
+
+    def add(self, ids, mask):
+        self.ids.extend(ids)
+        self.mask.extend(mask)
+        self.offsets.append(self.offsets[-1] + len(ids))
+        self.target_tokens += sum(mask)
+        if len(self.ids) >= 1 << 22:  # bounded memory on files of millions of lines
+            self.flush()
+
+    def flush(self):
+        for name, buf in (("ids", self.ids), ("mask", self.mask)):
+            buf.tofile(self.files[name])
+            del buf[:]
+
+    def close(self):
+        self.flush()
+        n = self.offsets[-1]
+        for name, dtype in (("ids", self.dtype), ("mask", np.uint8)):
+            self.files[name].close()
+            tmp = f"{self.prefix}_{name}.tmp"
+            data = np.memmap(tmp, dtype, "r", shape=(n,)) if n else np.zeros(0, dtype)  # paged, not read in
+            np.save(f"{self.prefix}_{name}.npy", data)
+            del data
+            os.remove(tmp)
+        np.save(f"{self.prefix}_offsets.npy", np.frombuffer(self.offsets, dtype=np.int64))
+        return dict(sequences=len(self.offsets) - 1, tokens=n, target_tokens=self.target_tokens)
+
+    def abort(self):
+        for name, f in self.files.items():
+            f.close()
+            if os.path.exists(f"{self.prefix}_{name}.tmp"):
+                os.remove(f"{self.prefix}_{name}.tmp")
+
+
+def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra_meta=None, verbose=True):
+    """items: iterable of (where, split, record) -> token files + meta.json in out_dir; returns meta
+    (extra_meta included). meta.json is written last: its presence means the files are complete."""
+    if overlong not in OVERLONG:
+        raise ValueError(f"overlong={overlong!r}; expected one of {OVERLONG}")
+    os.makedirs(out_dir, exist_ok=True)
+    if os.path.exists(os.path.join(out_dir, "meta.json")):
+        os.remove(os.path.join(out_dir, "meta.json"))
+    writers = {split: TokenWriter(out_dir, split, tok.vocab_size) for split in ("train", "val")}
+    kind, first, lengths, longest_example = None, None, array("q"), 0
+    status_counts = dict(ok=0, truncated=0, skipped=0)
+    try:
+        for where, split, record in items:
+            k, example = parse(record, where)
+            if kind is None:
+                kind, first = k, where
+            elif k != kind:
+                raise DataError(f"{where}: a {k.upper()} line in a file that began as {kind.upper()} at "
+                                f"{first} — keep SFT and DPO data in separate files")
+            seqs, status = tokenize(tok, kind, example, where, max_len, overlong)
+            status_counts[status] += 1
+            for ids, mask in seqs or []:
+                writers[split].add(ids, mask)
+                lengths.append(len(ids))
+            longest_example = max(longest_example, sum(len(ids) for ids, _ in seqs or []))
+        counts = {split: w.close() for split, w in writers.items()}
+    except BaseException:
+        for w in writers.values():
+            w.abort()
+        raise
+    if kind is None:
+        source = (extra_meta or {}).get("source", out_dir)
+        raise DataError(f"{source}: no examples found — is the file empty?")
+    per_example = 2 if kind == "dpo" else 1
+    for c in counts.values():
+        c["examples"] = c["sequences"] // per_example  # DPO: pairs
+    q = np.percentile(lengths, [0, 50, 99, 100]).round().astype(int).tolist() if lengths else [0] * 4
+    meta = dict(kind=kind, tokenizer=tok.name, template=tok.template, vocab_size=tok.vocab_size,
+                bos_id=tok.bos_id, eos_id=tok.eos_id, dtype=np.dtype(writers["train"].dtype).name,
+                max_len=max_len, overlong=overlong, truncated=status_counts["truncated"],
+                skipped=status_counts["skipped"], counts=counts, length_min_median_p99_max=q,
+                longest_example=longest_example,  # DPO: chosen + rejected; packing needs a budget >= this
+                **(extra_meta or {}))
+    with open(os.path.join(out_dir, "meta.json"), "w") as f:
+        json.dump(meta, f, indent=2)
+    if verbose:
+        unit = "pairs" if kind == "dpo" else "examples"
+        sizes = [f"{s} {c['examples']:,} {unit} ({c['tokens']:,} tokens)" for s, c in counts.items()]
+        print(f"wrote {out_dir}: {kind}, {', '.join(sizes)}")
+        print("sequence length in tokens: min {:,} median {:,} p99 {:,} max {:,}".format(*q)
+              + (f"; longest pair {longest_example:,}" if kind == "dpo" else ""))
+        print(f"longer than max_len={max_len}: {meta['truncated']:,} truncated, {meta['skipped']:,} skipped "
+              f"(--overlong {overlong})")
+        if counts["val"]["examples"] == 0 and meta.get("val_fraction"):
+            print("note: the val split is empty (raise --val_fraction for a small file)")
+    return meta
+
+
+def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error", val_fraction=0.01,
+            seed=1337, verbose=True):
+    """JSONL file -> token files in out_dir; returns meta. tokenizer: a Tokenizer, "byte" or a folder."""
+    tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    rng = random.Random(seed)  # one draw per line, so the split does not depend on max_len/overlong
+    items = ((where, "val" if rng.random() < val_fraction else "train", record)
+             for where, record in read_jsonl(input_path, verbose))
+    extra_meta = dict(source=os.path.abspath(input_path), val_fraction=val_fraction, seed=seed)
+    return write_token_files(items, out_dir, tok, max_len, overlong, extra_meta, verbose)
+
+
+def load(data_dir, split):
+    """-> (data, meta): data = {"ids", "offsets", "loss_mask"} as read-only memory maps, the dict
+    packing.py takes; meta is meta.json (kind, tokenizer, template, eos_id, counts, ...)."""
+    if not os.path.exists(os.path.join(data_dir, "meta.json")):
+        raise FileNotFoundError(f"{data_dir}: no meta.json, so no complete prepared data here — "
+                                f"run python data/prepare.py --input <file.jsonl> --out_dir {data_dir}")
+    with open(os.path.join(data_dir, "meta.json")) as f:
+        meta = json.load(f)
+    data = {key: np.load(os.path.join(data_dir, f"{split}_{name}.npy"), mmap_mode="r")
+            for key, name in (("ids", "ids"), ("offsets", "offsets"), ("loss_mask", "mask"))}
+    return data, meta
+
+
+if __name__ == "__main__":
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="a JSONL file")
+    p.add_argument("--out_dir", required=True)
+    p.add_argument("--tokenizer", default="byte", help='"byte", or a model folder with tokenizer.json/.model')
+    p.add_argument("--max_len", type=int, default=4096, help="longest sequence, in tokens")
+    p.add_argument("--overlong", choices=OVERLONG, default="error")
+    p.add_argument("--val_fraction", type=float, default=0.01)
+    p.add_argument("--seed", type=int, default=1337)
+    args = p.parse_args()
+    try:
+        prepare(args.input, args.out_dir, args.tokenizer, args.max_len, args.overlong, args.val_fraction,
+                args.seed)
+    except (ValueError, OSError) as e:  # DataError, a missing file, an unsupported tokenizer: one line
+        print(f"\nerror: {e}", file=sys.stderr)
+        sys.exit(1)
