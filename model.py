@@ -80,6 +80,8 @@ class ModelConfig:
 
 
 PRESETS = {
+    # ~0.1M parameters: tests and smoke runs of the training scripts
+    "tiny": dict(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, ffn_hidden=128, max_seq_len=2048),
     # ~2.4M parameters with a 512-token vocab: learns the built-in arithmetic task on a laptop CPU.
     "toy": dict(vocab_size=512, n_layer=6, n_head=6, n_kv_head=2, d_model=192, ffn_hidden=512, max_seq_len=2048),
     "smollm2-135m": dict(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, d_model=576, ffn_hidden=1536,
@@ -271,7 +273,8 @@ def attention_backend(device, dtype):
         else:
             name = "sdpa"
         _ATTN_BACKEND[device.type] = name
-        print(f"nanopack: attention backend on {device.type}: {name}")
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"nanopack: attention backend on {device.type}: {name}")
     name = _ATTN_BACKEND[device.type]
     # the flash kernels take half precision only; a float32 run (e.g. a parity test) uses the exact fallback
     return name if dtype in (torch.float16, torch.bfloat16) else "sdpa"
@@ -482,7 +485,7 @@ def _compute_dtype(h):
 def _chunk_logprobs(h, w, targets, vocab_size):
     """h: (C, d), w: (Vp, d) -> float32 log-softmax over the real vocab (C, V) and the targets' log-probs (C,)."""
     logits = (h @ w.t()).float()[:, :vocab_size]
-    logp = torch.log_softmax(logits, dim=-1)
+    logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # in place: one (C, V) buffer, not two
     return logp, logp.gather(1, targets[:, None]).squeeze(1)
 
 

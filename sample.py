@@ -1,0 +1,118 @@
+"""
+Talk to a checkpoint: ours (out_dir/ckpt.pt, or the out_dir/hf folder a run leaves) or any Hugging Face
+Llama / Qwen2 / Mistral folder.
+
+    python sample.py --model=out/sft/hf --prompt="What is 12+30?"     # one chat turn, greedy
+    python sample.py --model=out/sft/hf                                # interactive chat
+    python sample.py --model=out/sft/ckpt.pt --temperature=0.8 --top_k=50 --num_samples=3
+
+`generate` is also what the training scripts use for exact-match evaluation: it decodes a whole batch of
+prompts at once as one packed stream (no padding). There is no KV cache: every new token re-reads its
+prompt, which costs little at chat lengths on small models and keeps this file short.
+"""
+
+import os
+import sys
+
+import torch
+
+from model import ModelConfig, Transformer
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k=None, generator=None,
+             sync_ranks=False):
+    """prompts: list of token-id lists. Returns the new tokens of each (the stop token included when hit).
+    temperature 0 is greedy decoding. sync_ranks: under FSDP every forward is a collective, so all ranks
+    step together until every rank is done (a rank with nothing left runs a one-token dummy forward)."""
+    device = model.head_weight().device
+    seqs = [list(p) for p in prompts]
+    new = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    stop_ids = set(stop_ids)
+    for _ in range(max_new_tokens):
+        if sync_ranks:
+            busy = torch.tensor(len(active), device=device)
+            torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MAX)
+            if busy.item() == 0:
+                break
+            if not active:
+                model.hidden_states(torch.zeros(1, dtype=torch.long, device=device))
+                continue
+        elif not active:
+            break
+        lens = [len(seqs[i]) for i in active]
+        ids = torch.tensor([t for i in active for t in seqs[i]], device=device)
+        pos = torch.cat([torch.arange(n, device=device) for n in lens])
+        cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+        h = model.hidden_states(ids, pos, cu, max(lens))[cu[1:].long() - 1]  # (B, d): each sequence's last token
+        logits = (h @ model.head_weight().t())[:, :model.config.vocab_size].float()
+        if temperature == 0.0:
+            next_ids = logits.argmax(-1)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_ids = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(1)
+        still = []
+        for i, t in zip(active, next_ids.tolist()):
+            seqs[i].append(t)
+            new[i].append(t)
+            if t not in stop_ids:
+                still.append(i)
+        active = still
+    return new
+
+
+def load_model(path, device):
+    """A Hugging Face folder (config.json) or one of our training checkpoints (ckpt.pt)."""
+    if os.path.isdir(path):
+        return Transformer.from_pretrained(path, dtype=torch.float32, device=device)
+    if not os.path.exists(path):
+        sys.exit(f"sample.py: {path} does not exist; pass --model=<Hugging Face folder or ckpt.pt>")
+    ckpt = torch.load(path, map_location=device, weights_only=True)
+    model = Transformer(ModelConfig(**ckpt["model_config"]))
+    model.load_state_dict(ckpt["model"])
+    return model.to(device)
+
+
+if __name__ == "__main__":
+    from configurator import configure
+    from tokenizer import Tokenizer
+
+    model = "out/sft/hf"  # a Hugging Face folder or a ckpt.pt
+    tokenizer = ""  # folder with tokenizer files; default: the model's folder, else the built-in byte tokenizer
+    prompt = ""  # one user message; empty: interactive chat
+    system = ""
+    max_new_tokens = 256
+    temperature = 0.0
+    top_k = 0
+    num_samples = 1
+    seed = 1337
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    configure(globals())
+
+    torch.manual_seed(seed)
+    net = load_model(model, device).eval()
+    tok_dir = tokenizer or (model if os.path.isdir(model) else os.path.dirname(model))
+    tok = Tokenizer.from_dir(tok_dir) if tok_dir and Tokenizer.has_files(tok_dir) else Tokenizer.byte_level()
+    messages = [{"role": "system", "content": system}] if system else []
+
+    def reply(messages):
+        ids = tok.render_prompt(messages)
+        outs = generate(net, [ids] * num_samples, max_new_tokens, stop_ids=tok.stop_ids,
+                        temperature=temperature, top_k=top_k or None)
+        return [tok.decode([t for t in out if t not in tok.stop_ids]) for out in outs]
+
+    if prompt:
+        for text in reply(messages + [{"role": "user", "content": prompt}]):
+            print(text)
+            print("---")
+    else:
+        print(f"chatting with {model} (empty line to quit)")
+        while (line := input("> ").strip()):
+            messages.append({"role": "user", "content": line})
+            answer = reply(messages)[0]
+            print(answer)
+            messages.append({"role": "assistant", "content": answer})

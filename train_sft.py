@@ -1,0 +1,295 @@
+"""
+Padding-free supervised fine-tuning, read top to bottom: config, setup, loop, log, save.
+
+    python train_sft.py                                        # toy model, built-in arithmetic chats, CPU ok
+    python train_sft.py config/sft_qwen2.5_0.5b.py --data=my.jsonl
+    torchrun --nproc_per_node=8 train_sft.py config/sft_llama3.1_8b_fsdp.py
+
+Every optimizer step takes `batch_size` examples (global, whatever the world size), packs each rank's share
+into micro-batches of at most `microbatch_tokens` tokens, and divides the summed token loss by the step's
+global number of target tokens: any micro-batch size and any number of GPUs give the same step.
+"""
+
+import os
+import shutil
+import time
+from contextlib import nullcontext
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+import common
+from common import print0
+from configurator import configure
+from model import ModelConfig, Transformer, config_from_preset
+from packing import PackedLoader, make_batch, pack
+from sample import generate
+from tokenizer import get_tokenizer
+
+# -----------------------------------------------------------------------------
+# config: every global below can be set by a config/*.py file or --key=value
+out_dir = "out/sft"
+init_from = "scratch"  # 'scratch' (a `model` preset), a Hugging Face model folder, or 'resume' (out_dir/ckpt.pt)
+model = "toy"  # preset name for init_from='scratch'
+tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder, else 'byte'
+data = "builtin"  # 'builtin' (arithmetic chats), a .jsonl file, or a folder written by data/prepare.py
+max_len = 4096  # JSONL only: longest example kept; longer ones follow `overlong`
+overlong = "error"  # JSONL only: 'error', 'truncate' or 'skip' (counted and printed)
+batch_size = 32  # examples per optimizer step, all ranks together
+microbatch_tokens = 4096  # token budget of one forward pass on one rank
+max_iters = 0  # optimizer steps; 0 = `epochs` passes over the data
+epochs = 1.0
+learning_rate = 3e-3
+min_lr = 3e-4
+warmup_iters = 20
+weight_decay = 0.1
+grad_clip = 1.0
+loss_weighting = "token"  # 'token': every target token counts the same; 'sequence': every example does
+seed = 1337
+device = "auto"  # 'auto', 'cpu', 'cuda'
+dtype = "auto"  # 'auto' = bfloat16 on CUDA, float32 on CPU
+compile = False
+activation_checkpointing = False
+parallel = "ddp"  # 'ddp' or 'fsdp' (used when launched with torchrun on more than one process)
+log_interval = 10
+eval_interval = 100  # evaluate (val loss, exact-match accuracy on the built-in task) and checkpoint; 0 = at the end only
+eval_examples = 200  # built-in task: held-out prompts answered greedily for accuracy
+wandb_log = False
+wandb_project = "nanopack"
+wandb_run_name = "sft"
+config = configure(globals())
+# -----------------------------------------------------------------------------
+
+rank, world_size, device = common.setup_distributed(device)
+master = rank == 0
+torch.manual_seed(seed)
+if dtype == "auto":
+    dtype = "bfloat16" if device.type == "cuda" else "float32"
+ptdtype = getattr(torch, dtype)
+# DDP / one device: float32 master weights with bf16 autocast; FSDP2 casts through its mixed-precision policy
+autocast = (torch.autocast(device.type, dtype=ptdtype) if ptdtype != torch.float32 and parallel != "fsdp"
+            else nullcontext())
+resume = init_from == "resume"
+ckpt_path = os.path.join(out_dir, "ckpt.pt")
+ckpt = common.load_checkpoint(ckpt_path) if resume else None
+if resume:  # a resumed run continues with the data, tokenizer and model of the run it continues
+    tokenizer, data_dir = ckpt["tokenizer"], ckpt["data_dir"]
+os.makedirs(out_dir, exist_ok=True)
+
+# ---- tokenizer and data
+hf_folder = init_from not in ("scratch", "resume")
+if hf_folder and not os.path.isdir(init_from):
+    raise SystemExit(f"init_from={init_from!r} is neither 'scratch', 'resume' nor an existing Hugging Face model folder")
+tok = get_tokenizer(tokenizer or (init_from if hf_folder else "byte"))
+if not resume:
+    data_dir = data
+    if data == "builtin" or data.endswith(".jsonl"):
+        data_dir = os.path.join(out_dir, "data")
+        if master:  # one rank writes, the others wait for it
+            if data == "builtin":
+                from data.arithmetic import prepare_builtin
+                prepare_builtin(data_dir, tokenizer=tok, kind="sft")
+            else:
+                from data.prepare import prepare
+                prepare(data, data_dir, tokenizer=tok.name, max_len=max_len, overlong=overlong, seed=seed)
+        if dist.is_initialized():
+            dist.barrier()
+from data.prepare import load  # noqa: E402
+train_data, meta = load(data_dir, "train")
+val_data, _ = load(data_dir, "val")
+if meta.get("tokenizer") != tok.name:
+    raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, this run uses {tok.name!r}; "
+                     f"prepare it again with the run's tokenizer")
+
+# ---- model
+if resume:
+    model_config = ModelConfig(**{k: v for k, v in ckpt["model_config"].items() if k != "padded_vocab_size"})
+    net = Transformer(model_config)
+elif hf_folder:
+    net = Transformer.from_pretrained(init_from, dtype=torch.float32)
+else:
+    net = Transformer(config_from_preset(model, vocab_size=tok.vocab_size))
+model_config = net.config
+if tok.vocab_size > model_config.vocab_size:
+    raise SystemExit(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_config.vocab_size} embeddings")
+net.to(device)
+net.activation_checkpointing = activation_checkpointing
+if compile:
+    for block in net.layers:  # per block: the chunked loss's loop stays eager, blocks are one graph each
+        block.compile(dynamic=False)
+raw_model = net
+net = common.wrap_model(net, parallel, world_size, ptdtype)
+optimizer = common.make_optimizer(net, learning_rate, weight_decay, device_type=device.type)
+
+# compile wants a fixed shape: every micro-batch is padded to microbatch_tokens (the tail is a dummy segment)
+loader = PackedLoader(train_data, batch_size, microbatch_tokens, rank=rank, world_size=world_size, seed=seed,
+                      pad_to=microbatch_tokens if compile else None)
+if max_iters == 0:
+    max_iters = max(1, round(epochs * len(loader)))
+iter_num = 0
+if resume:
+    common.restore_checkpoint(ckpt, net, optimizer)
+    loader.load_state_dict(ckpt["loader"])
+    iter_num = ckpt["iter_num"]
+    del ckpt
+
+n_params = raw_model.num_params()
+peak = common.peak_flops(device)
+print0(f"model: {n_params / 1e6:.2f}M parameters | data: {data_dir}, {len(train_data['offsets']) - 1} train examples, "
+       f"{len(loader)} steps/epoch | world size {world_size} ({parallel}) | device {device}, {dtype} | "
+       f"{max_iters} iterations")
+logger = common.MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config, resume=resume)
+
+
+def microbatch_loss(mb, normaliser):
+    """This micro-batch's share of the step loss: its summed token loss / the step's global normaliser.
+    Times world_size because DDP and FSDP average gradients over ranks, and we want their sum."""
+    weights = None
+    if loss_weighting == "sequence":  # each example counts once: its tokens share weight 1
+        targets = (mb.labels != -100).float()
+        per_seq = torch.zeros(mb.num_sequences + 1, device=targets.device).index_add_(0, mb.seq_ids, targets)
+        weights = 1.0 / per_seq.clamp(min=1.0)[mb.seq_ids]
+    with autocast:
+        loss_sum, _ = net(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, labels=mb.labels,
+                          loss_weights=weights)
+    return loss_sum, loss_sum * world_size / normaliser
+
+
+def seq_lens(mb):
+    return np.diff(mb.cu_seqlens.numpy())[: mb.num_sequences]  # real sequences only, not the padding tail
+
+
+@torch.no_grad()
+def evaluate():
+    """Val loss per target token over the whole val split, and exact-match accuracy on the built-in task.
+    Every rank runs the same number of forwards (FSDP's all-gathers are collectives)."""
+    net.eval()
+    lengths = np.diff(np.asarray(val_data["offsets"]))
+    bins = pack(lengths, microbatch_tokens)
+    per_rank = -(-len(bins) // world_size)
+    loss_sum = torch.zeros((), device=device, dtype=torch.float64)
+    n_targets = 0
+    for i in range(per_rank):
+        j = rank + i * world_size
+        mb = make_batch(val_data, bins[j] if j < len(bins) else [0])
+        if j >= len(bins):
+            mb.labels.fill_(-100)  # a filler forward so that this rank keeps step with the others
+        n_targets += mb.num_target_tokens if j < len(bins) else 0
+        mb = mb.to(device)
+        with autocast:
+            s, _ = net(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, labels=mb.labels)
+        loss_sum += s
+    total_loss, total_targets = common.all_reduce_sum([loss_sum.item(), n_targets], device)
+    out = {"val_loss": total_loss / max(total_targets, 1)}
+    if data == "builtin" and eval_examples > 0:
+        from data.arithmetic import score, val_problems
+        problems = val_problems(eval_examples)[rank::world_size]
+        with autocast:
+            replies = generate(raw_model, [tok.render_prompt(p) for p, _ in problems], max_new_tokens=16,
+                               stop_ids=tok.stop_ids, sync_ranks=parallel == "fsdp" and world_size > 1)
+        correct = sum(score(ans, tok.decode([t for t in r if t not in tok.stop_ids])) for (_, ans), r in zip(problems, replies))
+        right, asked = common.all_reduce_sum([correct, len(problems)], device)
+        out["val_accuracy"] = right / asked
+    net.train()
+    return out
+
+
+def save(loader_state):
+    common.save_checkpoint(ckpt_path, net, optimizer, dict(
+        model_config=asdict(model_config), iter_num=iter_num, loader=loader_state, config=config,
+        tokenizer=tok.name, data_dir=data_dir))
+
+
+# ---- the loop
+timer = common.Timer(device)
+window = dict(tokens=0.0, padding=0.0, positions=0.0, flops=0.0, data_time=0.0)  # summed since the last log line
+loss_acc = torch.zeros((), device=device, dtype=torch.float64)  # summed token loss since the last log line
+nonfinite = torch.zeros((), device=device, dtype=torch.bool)  # set on device, read only when logging: no sync per step
+targets_window = 0
+eval_seconds = 0.0  # evaluation inside a log window is not training time
+start_iter, last_log_iter, t_start = iter_num, iter_num, time.perf_counter()
+loader_state = loader.state_dict()
+while iter_num < max_iters:
+    lr = common.lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    t0 = time.perf_counter()
+    step = next(loader)
+    normaliser = step.num_examples if loss_weighting == "sequence" else step.num_target_tokens
+    for mb in step.microbatches:  # flops from the actual sequence lengths, counted on the host before the copy
+        window["flops"] += raw_model.flops_per_token(seq_lens(mb), mb.num_target_tokens) * mb.num_tokens if mb.num_tokens else 0.0
+    mbs = [mb.to(device) for mb in step.microbatches]
+    window["data_time"] += time.perf_counter() - t0
+    for i, mb in enumerate(mbs):
+        with common.no_grad_sync(net, parallel, last_microbatch=i == len(mbs) - 1):
+            loss_sum, loss = microbatch_loss(mb, normaliser)
+            loss.backward()
+        loss_acc += loss_sum.detach()
+        window["tokens"] += mb.num_tokens
+        window["padding"] += mb.num_padding
+        window["positions"] += mb.input_ids.numel()
+    targets_window += step.num_target_tokens
+    grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+    nonfinite |= ~torch.isfinite(loss_acc)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    iter_num += 1
+    loader_state = step.state
+
+    last = iter_num == max_iters
+    if iter_num % log_interval == 0 or last:
+        elapsed = timer.lap() - eval_seconds
+        eval_seconds = 0.0
+        loss_total, tokens, padding, positions, flops, data_time, bad = common.all_reduce_sum(
+            [loss_acc.item(), window["tokens"], window["padding"], window["positions"], window["flops"],
+             window["data_time"], float(nonfinite.item())], device)
+        if bad:
+            raise SystemExit(f"iter {iter_num}: the loss is NaN or infinite; stopping. The last good checkpoint "
+                             f"({ckpt_path}, if one was written) is untouched. Lower learning_rate or check the data.")
+        n_steps, last_log_iter = iter_num - last_log_iter, iter_num
+        eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
+        metrics = dict(
+            iter=iter_num, loss=loss_total / targets_window, lr=lr,
+            grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
+            tokens=tokens / n_steps, tokens_per_sec=tokens / elapsed, tokens_per_sec_per_gpu=tokens / elapsed / world_size,
+            mfu=flops / elapsed / (peak * world_size) if peak else None,
+            padding_fraction=padding / max(positions, 1),
+            peak_mem_gb=(torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                         else common.peak_rss_bytes()) / 2**30,
+            data_time_frac=data_time / world_size / elapsed, time_ms=1000 * elapsed / n_steps)
+        mfu = f"{100 * metrics['mfu']:.1f}%" if metrics["mfu"] is not None else "-"
+        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | lr {lr:.2e} | grad norm {metrics['grad_norm']:.2f} | "
+               f"{metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | mfu {mfu} | pad {100 * metrics['padding_fraction']:.1f}% | "
+               f"{metrics['time_ms']:.0f} ms/it | eta {common.format_eta(eta)}")
+        logger.log(metrics)
+        loss_acc.zero_()
+        targets_window = 0
+        window = dict.fromkeys(window, 0.0)
+    if (eval_interval and iter_num % eval_interval == 0) or last:
+        t_eval = time.perf_counter()
+        results = evaluate()
+        acc = f" | val accuracy {100 * results['val_accuracy']:.1f}%" if "val_accuracy" in results else ""
+        print0(f"iter {iter_num}: val loss {results['val_loss']:.4f}{acc}")
+        logger.log(dict(iter=iter_num, **results))
+        save(loader_state)
+        eval_seconds += time.perf_counter() - t_eval
+
+# ---- finish: a Hugging Face folder next to the checkpoint
+hf_dir = os.path.join(out_dir, "hf")
+full_state = common.full_model_state(net)
+if master:
+    with torch.device("meta"):
+        export = Transformer(model_config)
+    export.load_state_dict(full_state, assign=True)
+    export.save_pretrained(hf_dir)
+    if hf_folder:  # the tokenizer travels with the weights
+        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                     "chat_template.jinja", "generation_config.json"):
+            if os.path.exists(os.path.join(init_from, name)):
+                shutil.copy(os.path.join(init_from, name), hf_dir)
+    print0(f"done: checkpoint {ckpt_path}, Hugging Face folder {hf_dir}"
+           + (f" (byte-level tokenizer: sample.py uses it by default)" if tok.name == "byte" else ""))
+logger.finish()
+common.teardown_distributed()
