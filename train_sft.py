@@ -117,8 +117,11 @@ if tok.vocab_size > model_config.vocab_size:
 net.to(device)
 net.activation_checkpointing = activation_checkpointing
 if compile:
-    for block in net.layers:  # per block: the chunked loss's loop stays eager, blocks are one graph each
-        block.compile(dynamic=False)
+    # Per block: the chunked loss's loop stays eager, each block is one graph. Training shapes are fixed
+    # (micro-batches padded to microbatch_tokens); the number of sequences (cu_seqlens, max_seqlen) varies,
+    # and generation in evaluation has other shapes: automatic dynamic shapes recompile once for those.
+    for block in net.layers:
+        block.compile()
 raw_model = net
 net = common.wrap_model(net, parallel, world_size, ptdtype)
 optimizer = common.make_optimizer(net, learning_rate, weight_decay, device_type=device.type)
@@ -173,7 +176,7 @@ def evaluate():
     n_targets = 0
     for i in range(per_rank):
         j = rank + i * world_size
-        mb = make_batch(val_data, bins[j] if j < len(bins) else [0])
+        mb = make_batch(val_data, bins[j] if j < len(bins) else [0], pad_to=microbatch_tokens if compile else None)
         if j >= len(bins):
             mb.labels.fill_(-100)  # a filler forward so that this rank keeps step with the others
         n_targets += mb.num_target_tokens if j < len(bins) else 0

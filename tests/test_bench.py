@@ -19,3 +19,8 @@ def test_bench_lm_head_smoke():
     assert len(table) == 1 and "OOM" not in table[0] and "crashed" not in table[0], out
     rel_diff = float(table[0].split("|")[-2])
     assert rel_diff < 1e-5  # both methods computed the same loss
+
+
+def test_bench_packing_smoke():
+    out = run("bench/bench_packing.py", "--small")
+    assert "BFD (ours)" in out and "packing time" in out, out
