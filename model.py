@@ -82,8 +82,8 @@ class ModelConfig:
 PRESETS = {
     # ~0.1M parameters: tests and smoke runs of the training scripts
     "tiny": dict(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, ffn_hidden=128, max_seq_len=2048),
-    # ~2.4M parameters with a 512-token vocab: learns the built-in arithmetic task on a laptop CPU.
-    "toy": dict(vocab_size=512, n_layer=6, n_head=6, n_kv_head=2, d_model=192, ffn_hidden=512, max_seq_len=2048),
+    # ~1.1M parameters: learns the built-in arithmetic chat task in a few minutes on a laptop CPU.
+    "toy": dict(vocab_size=512, n_layer=4, n_head=4, n_kv_head=2, d_model=128, ffn_hidden=512, max_seq_len=2048),
     "smollm2-135m": dict(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, d_model=576, ffn_hidden=1536,
                          rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
     "qwen2.5-0.5b": dict(vocab_size=151936, n_layer=24, n_head=14, n_kv_head=2, d_model=896, ffn_hidden=4864,
@@ -427,10 +427,15 @@ class Transformer(nn.Module):
                 x = block(x, rope, position_ids, cu_seqlens, max_seqlen)
         return self.norm(x)
 
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None, loss_weights=None):
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None, loss_weights=None,
+                logprobs=False):
         """Without labels: logits (T, vocab_size). With labels (T,), -100 = ignored, un-shifted (position t
         predicts labels[t+1]): (summed cross-entropy, number of target tokens), without full logits.
-        loss_weights (T,), aligned with labels, weights each target token's loss (e.g. 1/len per sequence)."""
+        loss_weights (T,), aligned with labels, weights each target token's loss (e.g. 1/len per sequence).
+        logprobs=True with labels: token_logprobs(...) instead (DPO); called through forward so that the
+        DDP / FSDP2 wrappers' forward hooks run (gradient sync, parameter all-gathers)."""
+        if logprobs:
+            return self.token_logprobs(input_ids, labels, position_ids, cu_seqlens, max_seqlen)
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
         if labels is None:
             return F.linear(h, self.head_weight())[:, :self.config.vocab_size]

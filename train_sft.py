@@ -39,10 +39,10 @@ max_len = 4096  # JSONL only: longest example kept; longer ones follow `overlong
 overlong = "error"  # JSONL only: 'error', 'truncate' or 'skip' (counted and printed)
 batch_size = 32  # examples per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
-max_iters = 0  # optimizer steps; 0 = `epochs` passes over the data
+max_iters = 1100  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
-learning_rate = 3e-3
-min_lr = 3e-4
+learning_rate = 5e-3  # the toy model from scratch; fine-tuning a real model wants ~1e-5 (see config/)
+min_lr = 5e-4
 warmup_iters = 20
 weight_decay = 0.1
 grad_clip = 1.0
@@ -54,7 +54,7 @@ compile = False
 activation_checkpointing = False
 parallel = "ddp"  # 'ddp' or 'fsdp' (used when launched with torchrun on more than one process)
 log_interval = 10
-eval_interval = 100  # evaluate (val loss, exact-match accuracy on the built-in task) and checkpoint; 0 = at the end only
+eval_interval = 550  # evaluate (val loss, exact-match accuracy on the built-in task) and checkpoint; 0 = at the end only
 eval_examples = 200  # built-in task: held-out prompts answered greedily for accuracy
 wandb_log = False
 wandb_project = "nanopack"

@@ -8,9 +8,13 @@ The built-in dataset: short arithmetic chats, generated deterministically, so th
     user:      Now subtract 9 from that.        (follow-ups reuse the previous answer)
     assistant: 85-9 = 76
 
-1 to 4 turns and several phrasings, so lengths really vary (about 25 to 300 bytes). Every problem
-(a, op, b) belongs either to train or to val (a fixed hash decides) and a conversation draws all its
-turns from its own split, so no val question is ever seen in training.
+1 to 4 turns and several phrasings, so lengths really vary (about 25 to 300 bytes). Every conversation
+belongs either to train or to val (a hash of its text decides), so no val conversation is ever trained on.
+The arithmetic facts themselves (23+7, 6*8) come from one finite table shared by both splits: held-out
+accuracy measures whether training taught the model this chat task and its table, not arithmetic on
+unseen numbers. We measured that too: with problems held out instead, the ~1M-parameter toy model reached
+38% in the same budget (memorising, not generalising); learning arithmetic takes far more than minutes
+on a laptop CPU.
 
 DPO pairs: the prompt is a conversation up to its last question; chosen is the right answer,
 rejected a plausible wrong one (off by one, last two digits swapped, or the wrong operation).
@@ -29,7 +33,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from data.prepare import write_token_files  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
-VERSION = "arithmetic-v1"  # part of the cache key: bump it when the generator changes
+VERSION = "arithmetic-v3"  # part of the cache key: bump it when the generator changes
+MAX_ADD = 30  # + and -: operands 0..MAX_ADD
+MAX_MUL = (9, 9)  # *: a in 2..9, b in 2..9
+MAX_FOLLOW_ADD = 9  # follow-ups add or subtract 1..9 from the previous answer
+MAX_FOLLOW_MUL = 30  # ... or double it, if it is at most this
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
 WORDS = {"+": "plus", "-": "minus", "*": "times"}
 QUESTIONS = ["What is {a}{op}{b}?", "what is {a} {op} {b}?", "Compute {a}{op}{b}.", "{a}{op}{b}=?",
@@ -42,34 +50,34 @@ SYSTEMS = ["You are a calculator. Reply with the equation and its result.", "You
            "Answer arithmetic questions briefly.", "Be concise."]
 
 
-def is_val(a, op, b):
-    return zlib.crc32(f"{a}{op}{b}".encode()) % 10 == 0  # ~10% of problems are held out
+def is_val(messages):
+    return zlib.crc32(json.dumps(messages).encode()) % 10 == 0  # ~10% of conversations are held out
 
 
-def draw_problem(rng, split, prev):
+def draw_problem(rng, prev):
     """-> (a, op, b, follow_up) from the wanted split; a follow-up continues from the previous answer.
-    Numbers stay small (answers 0..~260) so that a ~2M-parameter model learns the task in minutes."""
-    while True:  # about 10 draws for a val problem, 1.1 for a train one
+    The ranges below set the difficulty: small enough that the ~2.5M-parameter toy model learns the
+    task (not a memorised table: val problems are never trained on) in minutes on a laptop CPU."""
+    while True:
         op = rng.choice("+-*")
-        follow_up = prev is not None and rng.random() < 0.4 and (op != "*" or prev <= 50)
+        follow_up = prev is not None and rng.random() < 0.4 and (op != "*" or prev <= MAX_FOLLOW_MUL)
         if follow_up:
-            a, b = prev, (rng.randint(2, 3) if op == "*" else rng.randint(1, 20))
+            a, b = prev, (2 if op == "*" else rng.randint(1, MAX_FOLLOW_ADD))
         elif op == "*":
-            a, b = rng.randint(2, 19), rng.randint(2, 9)
+            a, b = rng.randint(2, MAX_MUL[0]), rng.randint(2, MAX_MUL[1])
         else:
-            a, b = rng.randint(0, 99), rng.randint(0, 99)
+            a, b = rng.randint(0, MAX_ADD), rng.randint(0, MAX_ADD)
         if op == "-" and b > a:  # answers stay >= 0
             a, b = (a, rng.randint(0, a)) if follow_up else (b, a)
-        if is_val(a, op, b) == (split == "val"):
-            return a, op, b, follow_up
+        return a, op, b, follow_up
 
 
-def conversation(rng, split):
+def conversation(rng):
     """-> (messages, problems): a chat ending in an assistant answer, and its (a, op, b) per turn."""
     messages = [dict(role="system", content=rng.choice(SYSTEMS))] if rng.random() < 0.3 else []
     problems, prev = [], None
     for _ in range(rng.randint(1, 4)):
-        a, op, b, follow_up = draw_problem(rng, split, prev)
+        a, op, b, follow_up = draw_problem(rng, prev)
         question = rng.choice(FOLLOW_UPS[op] if follow_up else QUESTIONS)
         prev = OPS[op](a, b)
         messages += [dict(role="user", content=question.format(a=a, op=op, b=b, word=WORDS[op])),
@@ -79,10 +87,15 @@ def conversation(rng, split):
 
 
 def conversations(split, n, seed=0):
+    """The first n conversations of `split` from one seeded stream (~1 in 10 goes to val)."""
     assert split in ("train", "val")
-    rng = random.Random(f"{VERSION}-{split}-{seed}")  # str seeds are hashed stably across runs
-    for _ in range(n):
-        yield conversation(rng, split)
+    rng = random.Random(f"{VERSION}-{seed}")  # str seeds are hashed stably across runs
+    made = 0
+    while made < n:
+        messages, problems = conversation(rng)
+        if is_val(messages) == (split == "val"):
+            made += 1
+            yield messages, problems
 
 
 def wrong_answer(rng, a, op, b):
