@@ -1,0 +1,222 @@
+"""train_dpo.py end to end, as users launch it: plain python and torchrun (gloo on CPU).
+
+Each run is a subprocess with log_interval=1, so metrics.jsonl has every step's exact means. Tolerances as in
+test_train_sft.py: float32 throughout; different micro-batch splits, world sizes or reference modes only change the
+order in which the same numbers are summed (~1e-7 relative per addition), so step means agree to 1e-5 relative and
+parameters after a few AdamW steps to 1e-4 absolute.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+STEP_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
+                "logps_rejected")
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    from data.arithmetic import prepare_builtin
+    out = str(tmp_path_factory.mktemp("data") / "pairs")
+    prepare_builtin(out, "byte", kind="dpo", n_train=96, n_val=16, verbose=False)
+    return out
+
+
+def run(args, nproc=1, check=True):
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(launcher + ["train_dpo.py", *args], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=env)
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def common_args(out_dir, data, **kw):
+    # A high learning rate and beta so that a few steps move the rewards well away from zero; a constant learning
+    # rate so that a run cut short and resumed has the same schedule as one straight run; label smoothing and an
+    # SFT term so that both of their normalisations are checked too.
+    cfg = dict(out_dir=out_dir, data=data, init_from="scratch", model="tiny", batch_size=16, microbatch_tokens=8192,
+               max_iters=5, learning_rate=1e-2, min_lr=1e-2, warmup_iters=0, beta=1.0, label_smoothing=0.1,
+               sft_weight=0.5, log_interval=1, eval_interval=0, eval_examples=0, seed=7)
+    cfg.update(kw)
+    return [f"--{k}={v}" for k, v in cfg.items()]
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, pairs):
+    """One process, one micro-batch per step, cached reference: what every other way of running must equal."""
+    out_dir = str(tmp_path_factory.mktemp("baseline"))
+    out = run(common_args(out_dir, pairs))
+    assert "saved as" in out.stdout  # the reference log-probs were computed and written
+    assert abs(steps(out_dir)[-1]["rewards_chosen"]) > 1e-2  # the policy has moved away from the reference
+    return out_dir
+
+
+def steps(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [m for m in map(json.loads, f) if "loss" in m]
+
+
+def params(out_dir):
+    return torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)["model"]
+
+
+def assert_same_run(a, b, exact=False):
+    """Every step's means and gradient norm agree: the sharp check that each step's gradient is the one-big-batch
+    gradient. Tolerance 1e-5 relative, and 1e-6 of the log-prob sums in absolute terms: rewards and losses are
+    differences of float32 sums of ~-50 whose rounding (~1e-7 relative per addition, summed in another order)
+    is ~1e-6 of the sums, which is large next to a small margin. Parameters after 5 AdamW steps to 1e-3
+    absolute only: Adam's first steps move each parameter by about lr (1e-2) whatever the size of its gradient,
+    so a parameter whose gradient is rounding noise can drift by a good part of lr between two correct runs.
+    reward_accuracy counts pairs: at step 1 the policy is the reference, every margin is 0 up to rounding, and
+    which side of 0 it falls on depends on how the forward was packed: step 1's accuracy is not compared."""
+    sa, sb = steps(a), steps(b)
+    assert len(sa) == len(sb) > 0
+    for x, y in zip(sa, sb):
+        scale = abs(x["logps_chosen"]) + abs(x["logps_rejected"])
+        for key in STEP_METRICS + ("grad_norm",):
+            tol = dict(rel=0, abs=0) if exact else dict(rel=1e-5, abs=1e-6 * scale)
+            if key == "reward_accuracy" and x["iter"] == 1 and not exact:
+                continue
+            assert x[key] == pytest.approx(y[key], **tol), (key, x["iter"])
+    pa, pb = params(a), params(b)
+    for k in pa:
+        torch.testing.assert_close(pa[k], pb[k], atol=0 if exact else 1e-3, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+def test_accumulation_equals_one_big_batch(tmp_path, pairs, baseline):
+    many = str(tmp_path / "many")
+    run(common_args(many, pairs, microbatch_tokens=512))
+    assert_same_run(baseline, many)
+    from data.prepare import load
+    from packing import PackedLoader
+    data, _ = load(pairs, "train")
+    assert len(next(PackedLoader(data, 16, 512, seed=7, dpo=True)).microbatches) >= 4  # really several
+
+
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_two_processes_equal_one(tmp_path, pairs, baseline, parallel):
+    # 1024 tokens per micro-batch: each rank packs its share into a few micro-batches, not always as many as the
+    # other rank, so the filler micro-batches are exercised too
+    dist2 = str(tmp_path / "dist")
+    run(common_args(dist2, pairs, microbatch_tokens=1024, parallel=parallel), nproc=2)
+    assert_same_run(baseline, dist2)
+
+
+def test_cached_reference_equals_live(tmp_path, pairs, baseline):
+    live = str(tmp_path / "live")
+    run(common_args(live, pairs, reference="live"))
+    assert not os.path.exists(os.path.join(live, "reference"))  # live mode keeps nothing on disk
+    # the cache came from differently packed forwards (bigger bins) than the live reference: rounding only
+    assert_same_run(baseline, live)
+
+
+def test_cache_is_reused_and_keyed_by_the_weights(tmp_path, pairs, baseline):
+    out_dir = str(tmp_path / "run")
+    shutil.copytree(os.path.join(baseline, "reference"), os.path.join(out_dir, "reference"))
+    again = run(common_args(out_dir, pairs))
+    assert "reference log-probs: loaded" in again.stdout
+    assert_same_run(baseline, out_dir, exact=True)  # the same numbers, read back from disk
+    other = run(common_args(out_dir, pairs, max_iters=1, seed=8))  # scratch weights from another seed: another key
+    assert "saved as" in other.stdout
+    assert len([f for f in os.listdir(os.path.join(out_dir, "reference")) if f.endswith(".json")]) == 2
+    assert steps(out_dir)[0]["ref_cache_seconds"] > 0
+
+
+def test_resume_continues_exactly(tmp_path, pairs, baseline):
+    cut = str(tmp_path / "cut")
+    run(common_args(cut, pairs, max_iters=2))
+    out = run(common_args(cut, pairs, init_from="resume"))
+    assert "reference log-probs: loaded" in out.stdout  # the cache is read back, not recomputed
+    assert_same_run(baseline, cut, exact=True)  # same ops in the same order: bit for bit
+
+
+@pytest.mark.parametrize("loss_type, first_loss", [
+    ("ipo", (0.0 - 1 / (2 * 1.0)) ** 2),  # the policy is the reference at step 1: h = 0
+    ("simpo", None),  # reference-free: no cache at all
+])
+def test_other_loss_types_run(tmp_path, pairs, loss_type, first_loss):
+    out_dir = str(tmp_path / loss_type)
+    out = run(common_args(out_dir, pairs, loss_type=loss_type, max_iters=2, label_smoothing=0.0, sft_weight=0.0))
+    s = steps(out_dir)
+    if first_loss is not None:
+        assert s[0]["loss"] == pytest.approx(first_loss, abs=1e-5)
+    else:  # no reference: nothing computed up front, and a reward is beta * the mean log-prob per token, below 0
+        assert "saved as" not in out.stdout and not os.path.exists(os.path.join(out_dir, "reference"))
+        assert s[0]["rewards_chosen"] < 0 and s[0]["rewards_rejected"] < 0
+    assert all(m["loss"] == pytest.approx(m["loss"]) for m in s)  # finite
+
+
+def test_default_flow_from_an_sft_folder(tmp_path):
+    """The workshop flow, shortened: a Hugging Face folder as train_sft.py leaves it (here a tiny random model),
+    then train_dpo.py on the built-in pairs, printing held-out accuracy before and after and exporting a folder."""
+    from model import Transformer, config_from_preset
+    from tokenizer import get_tokenizer
+    sft = str(tmp_path / "sft_hf")
+    torch.manual_seed(0)
+    Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)).save_pretrained(sft)
+    out_dir = str(tmp_path / "dpo")
+    out = run([f"--out_dir={out_dir}", f"--init_from={sft}", "--max_iters=2", "--log_interval=1", "--eval_examples=4"])
+    assert "before DPO ->" in out.stdout and "done: checkpoint" in out.stdout, out.stdout[-2000:]
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        evals = [m for m in map(json.loads, f) if "val_accuracy" in m]
+    assert [m["iter"] for m in evals] == [0, 2] and "val_reward_accuracy" in evals[0]
+    assert os.path.exists(os.path.join(out_dir, "hf", "model.safetensors"))
+
+
+BAD_LINES = {
+    "chosen and rejected are identical": {"prompt": "What is 2+2?", "chosen": "4", "rejected": "4"},
+    "empty assistant turn": {"prompt": "What is 2+2?", "chosen": "", "rejected": "5"},
+    "expected 'messages' (SFT) or 'chosen' and 'rejected'": {"prompt": "What is 2+2?", "chosen": "4"},
+}
+
+
+@pytest.mark.parametrize("message", list(BAD_LINES))
+def test_bad_preference_data_is_one_clear_message(tmp_path, message):
+    path = tmp_path / "bad.jsonl"
+    good = {"prompt": "What is 1+1?", "chosen": "2", "rejected": "3"}
+    path.write_text(json.dumps(good) + "\n" + json.dumps(BAD_LINES[message]) + "\n")
+    out = run([f"--out_dir={tmp_path / 'run'}", "--init_from=scratch", "--model=tiny", f"--data={path}"], check=False)
+    assert out.returncode != 0
+    assert f"bad.jsonl:2: " in out.stderr and message in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("--init_from=/no/such/folder", "make the default one with `python train_sft.py`"),
+    ("--loss_type=kto", "loss_type='kto'; choose one of sigmoid, ipo, hinge, dpo_norm, simpo"),
+])
+def test_config_errors_are_one_clear_message(tmp_path, arg, message):
+    out = run([f"--out_dir={tmp_path}", *arg.split()], check=False)
+    assert out.returncode != 0
+    assert message in out.stderr, out.stderr[-2000:]
+    assert "Traceback" not in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_config_presets_apply_and_fit_a_pair():
+    """Every config/dpo_*.py sets only keys train_dpo.py has, with their types, and its micro-batch holds the
+    longest pair its max_len allows (chosen + rejected). The script's defaults are read from its syntax tree."""
+    import ast
+    import glob
+    from configurator import apply_overrides
+    with open(os.path.join(ROOT, "train_dpo.py")) as f:
+        tree = ast.parse(f.read())
+    defaults = {node.targets[0].id: node.value.value for node in tree.body
+                if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
+                and isinstance(node.value, ast.Constant)}
+    presets = sorted(glob.glob(os.path.join(ROOT, "config", "dpo_*.py")))
+    assert presets
+    for preset in presets:
+        cfg = apply_overrides(dict(defaults), [preset])
+        assert cfg["microbatch_tokens"] >= 2 * cfg["max_len"], preset
