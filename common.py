@@ -8,6 +8,7 @@ import math
 import os
 import random
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -80,18 +81,10 @@ def no_grad_sync(model, parallel, last_microbatch):
     """Gradients are reduced across ranks only on a rank's last micro-batch of the step."""
     if parallel == "fsdp" and hasattr(model, "set_requires_gradient_sync"):
         model.set_requires_gradient_sync(last_microbatch)
-        return _nullcontext()
+        return nullcontext()
     if hasattr(model, "no_sync") and not last_microbatch:
         return model.no_sync()
-    return _nullcontext()
-
-
-class _nullcontext:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
+    return nullcontext()
 
 
 # -----------------------------------------------------------------------------
