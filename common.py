@@ -1,12 +1,14 @@
 """
 What train_sft.py and train_dpo.py would otherwise both copy: distributed setup, wrapping the model for
-DDP / FSDP2, optimizer and LR schedule, checkpoint save/resume, metric logging, peak FLOPs per device.
+DDP / FSDP2, precision, tokenizer and data preparation, optimizer and LR schedule, checkpoint save/resume,
+the built-in task's accuracy, throughput metrics (tokens/s, MFU, padding, memory), Hugging Face export.
 """
 
 import json
 import math
 import os
 import random
+import shutil
 import time
 from contextlib import nullcontext
 
@@ -87,6 +89,82 @@ def no_grad_sync(model, parallel, last_microbatch):
     return nullcontext()
 
 
+def precision(device, dtype, parallel, world_size):
+    """-> (dtype name, torch dtype, autocast context). 'auto' is bfloat16 on CUDA, float32 elsewhere.
+    DDP / one process: float32 master weights and bf16 autocast; FSDP2 casts through its mixed-precision
+    policy instead (see wrap_model), so no autocast there."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    ptdtype = getattr(torch, dtype)
+    fsdp = parallel == "fsdp" and world_size > 1
+    return dtype, ptdtype, (torch.autocast(device.type, dtype=ptdtype) if ptdtype != torch.float32 and not fsdp
+                            else nullcontext())
+
+
+# -----------------------------------------------------------------------------
+# tokenizer and data
+
+
+def choose_tokenizer(tokenizer, init_from):
+    """The tokenizer asked for; else the one in init_from's Hugging Face folder; else the byte-level one
+    (a folder without tokenizer files is a model we trained with it, like out/sft/hf)."""
+    from tokenizer import Tokenizer, get_tokenizer
+    hf_folder = init_from not in ("scratch", "resume")
+    return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"))
+
+
+def prepare_data(data, out_dir, tok, kind, max_len, overlong, seed, **builtin):
+    """-> the folder of token files for `data`. 'builtin' and a .jsonl file are tokenized into out_dir/data
+    by rank 0 while the others wait; a folder written by data/prepare.py is used as it is."""
+    if data != "builtin" and not data.endswith(".jsonl"):
+        return data
+    data_dir = os.path.join(out_dir, "data")
+    if int(os.environ.get("RANK", 0)) == 0:
+        try:
+            if data == "builtin":
+                from data.arithmetic import prepare_builtin
+                prepare_builtin(data_dir, tokenizer=tok, kind=kind, **builtin)
+            else:
+                from data.prepare import prepare
+                prepare(data, data_dir, tokenizer=tok.name, max_len=max_len, overlong=overlong, seed=seed)
+        except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
+            raise SystemExit(f"data error: {e}") from None
+    if dist.is_initialized():
+        dist.barrier()
+    return data_dir
+
+
+def load_data(data_dir, tok, kind):
+    """-> (train, val) token data of a folder, checked against the run: SFT or DPO data, same tokenizer."""
+    from data.prepare import load
+    train, meta = load(data_dir, "train")
+    val, _ = load(data_dir, "val")
+    if meta.get("kind") != kind:
+        what = dict(sft="chats ({\"messages\": [...]} lines)", dpo="preference pairs ({\"prompt\", \"chosen\", "
+                    "\"rejected\"} lines)")[kind]
+        raise SystemExit(f"{data_dir} holds {meta.get('kind')} data; this script needs {what}, see data/prepare.py")
+    if meta.get("tokenizer") != tok.name:
+        raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, this run uses "
+                         f"{tok.name!r}; prepare it again with the run's tokenizer")
+    return train, val
+
+
+@torch.no_grad()
+def builtin_accuracy(model, tok, n, device, autocast, sync_ranks):
+    """Held-out exact match on the built-in task: the first n val prompts, answered greedily, split
+    over ranks. model: the unwrapped model (FSDP2 modules gather their shards when called)."""
+    from data.arithmetic import score, val_problems
+    from sample import generate
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = val_problems(n)[rank::world_size]
+    with autocast:
+        replies = generate(model, [tok.render_prompt(p) for p, _ in problems], max_new_tokens=16,
+                           stop_ids=tok.stop_ids, sync_ranks=sync_ranks)
+    texts = [tok.decode([t for t in r if t not in tok.stop_ids]) for r in replies]
+    right, asked = all_reduce_sum([sum(score(ans, t) for (_, ans), t in zip(problems, texts)), len(problems)], device)
+    return right / asked
+
+
 # -----------------------------------------------------------------------------
 # optimizer and schedule
 
@@ -161,6 +239,26 @@ def full_model_state(model):
     return get_model_state_dict(model, options=_FULL)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def export_hf(model, model_config, hf_dir, tokenizer_from=None):
+    """The trained weights as a Hugging Face folder (rank 0 writes; a collective under FSDP), with the
+    tokenizer files of the folder the run started from, so the result loads like the original."""
+    from model import Transformer
+    full_state = full_model_state(model)
+    if int(os.environ.get("RANK", 0)) != 0:
+        return
+    with torch.device("meta"):
+        export = Transformer(model_config)
+    export.load_state_dict(full_state, assign=True)
+    export.save_pretrained(hf_dir)
+    for name in TOKENIZER_FILES if tokenizer_from else ():
+        if os.path.exists(os.path.join(tokenizer_from, name)):
+            shutil.copy(os.path.join(tokenizer_from, name), hf_dir)
+
+
 # -----------------------------------------------------------------------------
 # metrics
 
@@ -203,6 +301,55 @@ class MetricsLogger:
     def finish(self):
         if self.wandb is not None:
             self.wandb.finish()
+
+
+class Throughput:
+    """What a log window did, for honest speed figures: real tokens (padding excluded), padding, positions,
+    FLOPs from the actual sequence lengths, time spent waiting for data. Counted on the host; summed over
+    ranks in one collective by read(), which also carries the script's own sums along."""
+
+    def __init__(self, model, device, world_size, flops_factor=1.0):
+        self.model, self.device, self.world_size = model, device, world_size
+        self.flops_factor = flops_factor  # e.g. 4/3 when a live reference model adds a forward pass
+        self.peak = peak_flops(device)
+        self.reset()
+
+    def reset(self):
+        self.tokens = self.padding = self.positions = self.flops = self.data_time = 0.0
+
+    def count(self, microbatches, data_time):
+        for mb in microbatches:
+            if mb.num_tokens:
+                seq_lens = np.diff(mb.cu_seqlens.numpy())[: mb.num_sequences]  # not the padding tail
+                self.flops += self.flops_factor * self.model.flops_per_token(seq_lens, mb.num_target_tokens) * mb.num_tokens
+            self.tokens += mb.num_tokens
+            self.padding += mb.num_padding
+            self.positions += mb.input_ids.numel()
+        self.data_time += data_time
+
+    def read(self, elapsed, n_steps, extra=()):
+        """-> (metrics, the extra values summed over ranks); starts a new window."""
+        *extra, tokens, padding, positions, flops, data_time = all_reduce_sum(
+            list(extra) + [self.tokens, self.padding, self.positions, self.flops, self.data_time], self.device)
+        self.reset()
+        metrics = dict(
+            tokens=tokens / n_steps, tokens_per_sec=tokens / elapsed, tokens_per_sec_per_gpu=tokens / elapsed / self.world_size,
+            mfu=flops / elapsed / (self.peak * self.world_size) if self.peak else None,
+            padding_fraction=padding / max(positions, 1),
+            peak_mem_gb=(torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                         else peak_rss_bytes()) / 2**30,
+            data_time_frac=data_time / self.world_size / elapsed, time_ms=1000 * elapsed / n_steps)
+        return metrics, extra
+
+    @staticmethod
+    def line(m):
+        mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "-"
+        return (f"{m['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | mfu {mfu} | pad {100 * m['padding_fraction']:.1f}% | "
+                f"{m['time_ms']:.0f} ms/it")
+
+
+def grad_norm_value(grad_norm):
+    return float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # FSDP2: a DTensor
 
 
 class Timer:

@@ -16,9 +16,7 @@ import copy
 import hashlib
 import json
 import os
-import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import numpy as np
@@ -31,8 +29,6 @@ from common import print0
 from configurator import configure
 from model import ModelConfig, Transformer, config_from_preset
 from packing import PackedLoader, make_batch, pack
-from sample import generate
-from tokenizer import Tokenizer, get_tokenizer
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
@@ -47,13 +43,13 @@ batch_size = 32  # preference pairs per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole pairs: chosen + rejected)
 max_iters = 0  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
-learning_rate = 5e-5
-min_lr = 5e-6
+learning_rate = 2e-4  # the toy model; fine-tuned real models want ~5e-7 with beta 0.1 (see config/)
+min_lr = 2e-5
 warmup_iters = 5
 weight_decay = 0.0
 grad_clip = 1.0
 loss_type = "sigmoid"  # 'sigmoid' (DPO), 'ipo', 'hinge', 'dpo_norm' (length-averaged DPO), 'simpo' (no reference)
-beta = 0.1  # strength of the pull towards the reference (the inverse temperature of the implicit reward)
+beta = 2.0  # the inverse temperature of the implicit reward: larger = the loss saturates at smaller margins
 label_smoothing = 0.0  # sigmoid, dpo_norm, simpo: assumed chance that a pair's label is flipped (conservative DPO)
 gamma = 0.5  # simpo: target reward margin
 sft_weight = 0.0  # adds sft_weight * NLL per target token of the step's chosen responses (train_sft.py's loss)
@@ -115,12 +111,7 @@ def pair_stats(losses, rewards_chosen, rewards_rejected, policy_chosen, policy_r
 rank, world_size, device = common.setup_distributed(device)
 master = rank == 0
 torch.manual_seed(seed)
-if dtype == "auto":
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-ptdtype = getattr(torch, dtype)
-# DDP / one device: float32 master weights with bf16 autocast; FSDP2 casts through its mixed-precision policy
-autocast = (torch.autocast(device.type, dtype=ptdtype) if ptdtype != torch.float32 and parallel != "fsdp"
-            else nullcontext())
+dtype, ptdtype, autocast = common.precision(device, dtype, parallel, world_size)
 resume = init_from == "resume"
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 ckpt = common.load_checkpoint(ckpt_path) if resume else None
@@ -133,32 +124,10 @@ hf_folder = init_from not in ("scratch", "resume")
 if hf_folder and not os.path.isdir(init_from):
     raise SystemExit(f"init_from={init_from!r} does not exist: DPO starts from a fine-tuned model; make the default one "
                      f"with `python train_sft.py` (it writes out/sft/hf), or pass --init_from=<Hugging Face folder>")
-tok = get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"))
+tok = common.choose_tokenizer(tokenizer, init_from)
 if not resume:
-    data_dir = data
-    if data == "builtin" or data.endswith(".jsonl"):
-        data_dir = os.path.join(out_dir, "data")
-        if master:  # one rank writes, the others wait for it
-            try:
-                if data == "builtin":
-                    from data.arithmetic import prepare_builtin
-                    prepare_builtin(data_dir, tokenizer=tok, kind="dpo", **BUILTIN_PAIRS)
-                else:
-                    from data.prepare import prepare
-                    prepare(data, data_dir, tokenizer=tok.name, max_len=max_len, overlong=overlong, seed=seed)
-            except (ValueError, OSError) as e:  # a bad line (file:line and what to do), a missing file
-                raise SystemExit(f"data error: {e}") from None
-        if dist.is_initialized():
-            dist.barrier()
-from data.prepare import load  # noqa: E402
-train_data, meta = load(data_dir, "train")
-val_data, _ = load(data_dir, "val")
-if meta.get("kind") != "dpo":
-    raise SystemExit(f"{data_dir} holds {meta.get('kind')} data; train_dpo.py needs preference pairs "
-                     f"({{\"prompt\", \"chosen\", \"rejected\"}} lines, see data/prepare.py)")
-if meta.get("tokenizer") != tok.name:
-    raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, this run uses {tok.name!r}; "
-                     f"prepare it again with the run's tokenizer")
+    data_dir = common.prepare_data(data, out_dir, tok, "dpo", max_len, overlong, seed, **BUILTIN_PAIRS)
+train_data, val_data = common.load_data(data_dir, tok, "dpo")
 
 
 def response_lengths(split_data):
@@ -242,7 +211,6 @@ if resume:
     del ckpt
 
 n_params = raw_model.num_params()
-peak = common.peak_flops(device)
 n_train, n_val = len(lengths_train), len(lengths_val)
 print0(f"model: {n_params / 1e6:.2f}M parameters | data: {data_dir}, {n_train} train pairs, {len(loader)} steps/epoch | "
        f"{loss_type} loss, beta {beta}, reference {reference if use_reference else 'none'} | world size {world_size} "
@@ -339,10 +307,6 @@ def microbatch_loss(mb, num_pairs, num_chosen_targets):
     return loss * world_size, pair_stats(losses, rewards_c, rewards_r, pc, pr)
 
 
-def seq_lens(mb):
-    return np.diff(mb.cu_seqlens.numpy())[: mb.num_sequences]  # real sequences only, not the padding tail
-
-
 @torch.no_grad()
 def evaluate():
     """Val preference loss, reward accuracy and margin over the whole val split, and exact-match accuracy on
@@ -357,14 +321,8 @@ def evaluate():
         out.update(val_loss=val_loss.item(), val_reward_accuracy=(rewards_c > rewards_r).float().mean().item(),
                    val_reward_margin=(rewards_c - rewards_r).mean().item())
     if data == "builtin" and eval_examples > 0:
-        from data.arithmetic import score, val_problems
-        problems = val_problems(eval_examples)[rank::world_size]
-        with autocast:
-            replies = generate(raw_model, [tok.render_prompt(p) for p, _ in problems], max_new_tokens=16,
-                               stop_ids=tok.stop_ids, sync_ranks=parallel == "fsdp" and world_size > 1)
-        correct = sum(score(ans, tok.decode([t for t in r if t not in tok.stop_ids])) for (_, ans), r in zip(problems, replies))
-        right, asked = common.all_reduce_sum([correct, len(problems)], device)
-        out["val_accuracy"] = right / asked
+        out["val_accuracy"] = common.builtin_accuracy(raw_model, tok, eval_examples, device, autocast,
+                                                      sync_ranks=parallel == "fsdp" and world_size > 1)
     net.train()
     parts = [f"val loss {out['val_loss']:.4f} | val reward accuracy {100 * out['val_reward_accuracy']:.1f}% | "
              f"val margin {out['val_reward_margin']:.3f}"] if n_val else []
@@ -387,7 +345,8 @@ if not resume:  # the starting point, for "before -> after"
     results = evaluate()
     accuracy_before = results.get("val_accuracy")
 timer = common.Timer(device)
-window = dict(tokens=0.0, padding=0.0, positions=0.0, flops=0.0, data_time=0.0)  # summed since the last log line
+# tokens, padding, FLOPs since the last log line; a live reference adds a forward pass (1/3 of fwd+bwd)
+meter = common.Throughput(raw_model, device, world_size, flops_factor=4 / 3 if ref_net is not None else 1.0)
 stats_acc = torch.zeros(6, device=device, dtype=torch.float64)  # pair_stats summed since the last log line
 nonfinite = torch.zeros((), device=device, dtype=torch.bool)  # set on device, read only when logging: no sync per step
 pairs_window = chosen_targets_window = 0
@@ -401,19 +360,13 @@ while iter_num < max_iters:
     t0 = time.perf_counter()
     step = next(loader)
     num_chosen_targets = int(chosen_targets[loader.step_units(step.epoch, step.step)].sum())  # global, like num_pairs
-    for mb in step.microbatches:  # flops from the actual sequence lengths, counted on the host before the copy
-        flops = raw_model.flops_per_token(seq_lens(mb), mb.num_target_tokens) * mb.num_tokens if mb.num_tokens else 0.0
-        window["flops"] += flops * (4 / 3 if ref_net is not None else 1)  # a live reference adds a forward (1/3)
     mbs = [mb.to(device) for mb in step.microbatches]
-    window["data_time"] += time.perf_counter() - t0
+    meter.count(step.microbatches, data_time=time.perf_counter() - t0)
     for i, mb in enumerate(mbs):
         with common.no_grad_sync(net, parallel, last_microbatch=i == len(mbs) - 1):
             loss, stats = microbatch_loss(mb, step.num_pairs, num_chosen_targets)
             loss.backward()
         stats_acc += stats
-        window["tokens"] += mb.num_tokens
-        window["padding"] += mb.num_padding
-        window["positions"] += mb.input_ids.numel()
     pairs_window += step.num_pairs
     chosen_targets_window += num_chosen_targets
     grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip if grad_clip > 0 else float("inf"))
@@ -427,39 +380,27 @@ while iter_num < max_iters:
     if iter_num % log_interval == 0 or last:
         elapsed = timer.lap() - eval_seconds
         eval_seconds, train_seconds = 0.0, train_seconds + elapsed
-        *sums, tokens, padding, positions, flops, data_time, bad = common.all_reduce_sum(
-            stats_acc.tolist() + [window["tokens"], window["padding"], window["positions"], window["flops"],
-                                  window["data_time"], float(nonfinite.item())], device)
+        n_steps, last_log_iter = iter_num - last_log_iter, iter_num
+        perf, (*sums, bad) = meter.read(elapsed, n_steps, stats_acc.tolist() + [float(nonfinite.item())])
         if bad:
             raise SystemExit(f"iter {iter_num}: the loss is NaN or infinite; stopping. The last good checkpoint "
                              f"({ckpt_path}, if one was written) is untouched. Lower learning_rate or check the data.")
         loss_sum, rewards_c, rewards_r, n_right, logps_c, logps_r = (s / pairs_window for s in sums)
         nll = -sums[4] / chosen_targets_window  # the chosen responses' NLL per target token
-        n_steps, last_log_iter = iter_num - last_log_iter, iter_num
         eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
         metrics = dict(
             iter=iter_num, loss=loss_sum + sft_weight * nll,
             rewards_chosen=rewards_c, rewards_rejected=rewards_r, reward_margin=rewards_c - rewards_r,
             reward_accuracy=n_right, logps_chosen=logps_c, logps_rejected=logps_r, lr=lr,
-            grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-            tokens=tokens / n_steps, tokens_per_sec=tokens / elapsed, tokens_per_sec_per_gpu=tokens / elapsed / world_size,
-            mfu=flops / elapsed / (peak * world_size) if peak else None,
-            padding_fraction=padding / max(positions, 1),
-            peak_mem_gb=(torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                         else common.peak_rss_bytes()) / 2**30,
-            data_time_frac=data_time / world_size / elapsed, time_ms=1000 * elapsed / n_steps,
-            ref_cache_seconds=ref_cache_seconds)
+            grad_norm=common.grad_norm_value(grad_norm), **perf, ref_cache_seconds=ref_cache_seconds)
         if sft_weight:
             metrics["nll_chosen"] = nll
-        mfu = f"{100 * metrics['mfu']:.1f}%" if metrics["mfu"] is not None else "-"
         print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | reward acc {100 * n_right:.1f}% | "
                f"margin {metrics['reward_margin']:.3f} | lr {lr:.2e} | grad norm {metrics['grad_norm']:.2f} | "
-               f"{metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | mfu {mfu} | pad {100 * metrics['padding_fraction']:.1f}% | "
-               f"{metrics['time_ms']:.0f} ms/it | eta {common.format_eta(eta)}")
+               f"{meter.line(metrics)} | eta {common.format_eta(eta)}")
         logger.log(metrics)
         stats_acc.zero_()
         pairs_window = chosen_targets_window = 0
-        window = dict.fromkeys(window, 0.0)
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         results = evaluate()
@@ -468,22 +409,13 @@ while iter_num < max_iters:
 
 # ---- finish: a Hugging Face folder next to the checkpoint
 hf_dir = os.path.join(out_dir, "hf")
-full_state = common.full_model_state(net)
+common.export_hf(net, model_config, hf_dir, tokenizer_from=None if tok.name == "byte" else tok.name)
 if master:
-    with torch.device("meta"):
-        export = Transformer(model_config)
-    export.load_state_dict(full_state, assign=True)
-    export.save_pretrained(hf_dir)
-    if start["init_from"] != "scratch":  # the tokenizer travels with the weights
-        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                     "chat_template.jinja", "generation_config.json"):
-            if os.path.exists(os.path.join(start["init_from"], name)):
-                shutil.copy(os.path.join(start["init_from"], name), hf_dir)
     print0(f"time: reference log-probs {ref_cache_seconds:.1f}s, training {train_seconds:.1f}s")
     if accuracy_before is not None and "val_accuracy" in results:
         print0(f"held-out exact-match accuracy: {100 * accuracy_before:.1f}% before DPO -> "
                f"{100 * results['val_accuracy']:.1f}% after")
     print0(f"done: checkpoint {ckpt_path}, Hugging Face folder {hf_dir}"
-           + (f" (byte-level tokenizer: sample.py uses it by default)" if tok.name == "byte" else ""))
+           + (" (byte-level tokenizer: sample.py uses it by default)" if tok.name == "byte" else ""))
 logger.finish()
 common.teardown_distributed()

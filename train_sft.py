@@ -11,22 +11,17 @@ global number of target tokens: any micro-batch size and any number of GPUs give
 """
 
 import os
-import shutil
 import time
-from contextlib import nullcontext
 from dataclasses import asdict
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 import common
 from common import print0
 from configurator import configure
 from model import ModelConfig, Transformer, config_from_preset
 from packing import PackedLoader, make_batch, pack
-from sample import generate
-from tokenizer import get_tokenizer
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
@@ -65,12 +60,7 @@ config = configure(globals())
 rank, world_size, device = common.setup_distributed(device)
 master = rank == 0
 torch.manual_seed(seed)
-if dtype == "auto":
-    dtype = "bfloat16" if device.type == "cuda" else "float32"
-ptdtype = getattr(torch, dtype)
-# DDP / one device: float32 master weights with bf16 autocast; FSDP2 casts through its mixed-precision policy
-autocast = (torch.autocast(device.type, dtype=ptdtype) if ptdtype != torch.float32 and parallel != "fsdp"
-            else nullcontext())
+dtype, ptdtype, autocast = common.precision(device, dtype, parallel, world_size)
 resume = init_from == "resume"
 ckpt_path = os.path.join(out_dir, "ckpt.pt")
 ckpt = common.load_checkpoint(ckpt_path) if resume else None
@@ -82,26 +72,10 @@ os.makedirs(out_dir, exist_ok=True)
 hf_folder = init_from not in ("scratch", "resume")
 if hf_folder and not os.path.isdir(init_from):
     raise SystemExit(f"init_from={init_from!r} is neither 'scratch', 'resume' nor an existing Hugging Face model folder")
-tok = get_tokenizer(tokenizer or (init_from if hf_folder else "byte"))
+tok = common.choose_tokenizer(tokenizer, init_from)
 if not resume:
-    data_dir = data
-    if data == "builtin" or data.endswith(".jsonl"):
-        data_dir = os.path.join(out_dir, "data")
-        if master:  # one rank writes, the others wait for it
-            if data == "builtin":
-                from data.arithmetic import prepare_builtin
-                prepare_builtin(data_dir, tokenizer=tok, kind="sft")
-            else:
-                from data.prepare import prepare
-                prepare(data, data_dir, tokenizer=tok.name, max_len=max_len, overlong=overlong, seed=seed)
-        if dist.is_initialized():
-            dist.barrier()
-from data.prepare import load  # noqa: E402
-train_data, meta = load(data_dir, "train")
-val_data, _ = load(data_dir, "val")
-if meta.get("tokenizer") != tok.name:
-    raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, this run uses {tok.name!r}; "
-                     f"prepare it again with the run's tokenizer")
+    data_dir = common.prepare_data(data, out_dir, tok, "sft", max_len, overlong, seed)
+train_data, val_data = common.load_data(data_dir, tok, "sft")
 
 # ---- model
 if resume:
@@ -139,7 +113,6 @@ if resume:
     del ckpt
 
 n_params = raw_model.num_params()
-peak = common.peak_flops(device)
 print0(f"model: {n_params / 1e6:.2f}M parameters | data: {data_dir}, {len(train_data['offsets']) - 1} train examples, "
        f"{len(loader)} steps/epoch | world size {world_size} ({parallel}) | device {device}, {dtype} | "
        f"{max_iters} iterations")
@@ -158,10 +131,6 @@ def microbatch_loss(mb, normaliser):
         loss_sum, _ = net(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, labels=mb.labels,
                           loss_weights=weights)
     return loss_sum, loss_sum * world_size / normaliser
-
-
-def seq_lens(mb):
-    return np.diff(mb.cu_seqlens.numpy())[: mb.num_sequences]  # real sequences only, not the padding tail
 
 
 @torch.no_grad()
@@ -187,14 +156,8 @@ def evaluate():
     total_loss, total_targets = common.all_reduce_sum([loss_sum.item(), n_targets], device)
     out = {"val_loss": total_loss / max(total_targets, 1)}
     if data == "builtin" and eval_examples > 0:
-        from data.arithmetic import score, val_problems
-        problems = val_problems(eval_examples)[rank::world_size]
-        with autocast:
-            replies = generate(raw_model, [tok.render_prompt(p) for p, _ in problems], max_new_tokens=16,
-                               stop_ids=tok.stop_ids, sync_ranks=parallel == "fsdp" and world_size > 1)
-        correct = sum(score(ans, tok.decode([t for t in r if t not in tok.stop_ids])) for (_, ans), r in zip(problems, replies))
-        right, asked = common.all_reduce_sum([correct, len(problems)], device)
-        out["val_accuracy"] = right / asked
+        out["val_accuracy"] = common.builtin_accuracy(raw_model, tok, eval_examples, device, autocast,
+                                                      sync_ranks=parallel == "fsdp" and world_size > 1)
     net.train()
     return out
 
@@ -207,7 +170,7 @@ def save(loader_state):
 
 # ---- the loop
 timer = common.Timer(device)
-window = dict(tokens=0.0, padding=0.0, positions=0.0, flops=0.0, data_time=0.0)  # summed since the last log line
+meter = common.Throughput(raw_model, device, world_size)  # tokens, padding, FLOPs since the last log line
 loss_acc = torch.zeros((), device=device, dtype=torch.float64)  # summed token loss since the last log line
 nonfinite = torch.zeros((), device=device, dtype=torch.bool)  # set on device, read only when logging: no sync per step
 targets_window = 0
@@ -221,18 +184,13 @@ while iter_num < max_iters:
     t0 = time.perf_counter()
     step = next(loader)
     normaliser = step.num_examples if loss_weighting == "sequence" else step.num_target_tokens
-    for mb in step.microbatches:  # flops from the actual sequence lengths, counted on the host before the copy
-        window["flops"] += raw_model.flops_per_token(seq_lens(mb), mb.num_target_tokens) * mb.num_tokens if mb.num_tokens else 0.0
     mbs = [mb.to(device) for mb in step.microbatches]
-    window["data_time"] += time.perf_counter() - t0
+    meter.count(step.microbatches, data_time=time.perf_counter() - t0)
     for i, mb in enumerate(mbs):
         with common.no_grad_sync(net, parallel, last_microbatch=i == len(mbs) - 1):
             loss_sum, loss = microbatch_loss(mb, normaliser)
             loss.backward()
         loss_acc += loss_sum.detach()
-        window["tokens"] += mb.num_tokens
-        window["padding"] += mb.num_padding
-        window["positions"] += mb.input_ids.numel()
     targets_window += step.num_target_tokens
     grad_norm = torch.nn.utils.clip_grad_norm_(net.parameters(), grad_clip if grad_clip > 0 else float("inf"))
     nonfinite |= ~torch.isfinite(loss_acc)
@@ -245,31 +203,19 @@ while iter_num < max_iters:
     if iter_num % log_interval == 0 or last:
         elapsed = timer.lap() - eval_seconds
         eval_seconds = 0.0
-        loss_total, tokens, padding, positions, flops, data_time, bad = common.all_reduce_sum(
-            [loss_acc.item(), window["tokens"], window["padding"], window["positions"], window["flops"],
-             window["data_time"], float(nonfinite.item())], device)
+        n_steps, last_log_iter = iter_num - last_log_iter, iter_num
+        perf, (loss_total, bad) = meter.read(elapsed, n_steps, [loss_acc.item(), float(nonfinite.item())])
         if bad:
             raise SystemExit(f"iter {iter_num}: the loss is NaN or infinite; stopping. The last good checkpoint "
                              f"({ckpt_path}, if one was written) is untouched. Lower learning_rate or check the data.")
-        n_steps, last_log_iter = iter_num - last_log_iter, iter_num
         eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
-        metrics = dict(
-            iter=iter_num, loss=loss_total / targets_window, lr=lr,
-            grad_norm=float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm),
-            tokens=tokens / n_steps, tokens_per_sec=tokens / elapsed, tokens_per_sec_per_gpu=tokens / elapsed / world_size,
-            mfu=flops / elapsed / (peak * world_size) if peak else None,
-            padding_fraction=padding / max(positions, 1),
-            peak_mem_gb=(torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                         else common.peak_rss_bytes()) / 2**30,
-            data_time_frac=data_time / world_size / elapsed, time_ms=1000 * elapsed / n_steps)
-        mfu = f"{100 * metrics['mfu']:.1f}%" if metrics["mfu"] is not None else "-"
+        metrics = dict(iter=iter_num, loss=loss_total / targets_window, lr=lr,
+                       grad_norm=common.grad_norm_value(grad_norm), **perf)
         print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | lr {lr:.2e} | grad norm {metrics['grad_norm']:.2f} | "
-               f"{metrics['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | mfu {mfu} | pad {100 * metrics['padding_fraction']:.1f}% | "
-               f"{metrics['time_ms']:.0f} ms/it | eta {common.format_eta(eta)}")
+               f"{meter.line(metrics)} | eta {common.format_eta(eta)}")
         logger.log(metrics)
         loss_acc.zero_()
         targets_window = 0
-        window = dict.fromkeys(window, 0.0)
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         results = evaluate()
@@ -281,18 +227,9 @@ while iter_num < max_iters:
 
 # ---- finish: a Hugging Face folder next to the checkpoint
 hf_dir = os.path.join(out_dir, "hf")
-full_state = common.full_model_state(net)
+common.export_hf(net, model_config, hf_dir, tokenizer_from=None if tok.name == "byte" else tok.name)
 if master:
-    with torch.device("meta"):
-        export = Transformer(model_config)
-    export.load_state_dict(full_state, assign=True)
-    export.save_pretrained(hf_dir)
-    if hf_folder:  # the tokenizer travels with the weights
-        for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
-                     "chat_template.jinja", "generation_config.json"):
-            if os.path.exists(os.path.join(init_from, name)):
-                shutil.copy(os.path.join(init_from, name), hf_dir)
     print0(f"done: checkpoint {ckpt_path}, Hugging Face folder {hf_dir}"
-           + (f" (byte-level tokenizer: sample.py uses it by default)" if tok.name == "byte" else ""))
+           + (" (byte-level tokenizer: sample.py uses it by default)" if tok.name == "byte" else ""))
 logger.finish()
 common.teardown_distributed()
