@@ -24,3 +24,26 @@ def test_bench_lm_head_smoke():
 def test_bench_packing_smoke():
     out = run("bench/bench_packing.py", "--small")
     assert "BFD (ours)" in out and "packing time" in out, out
+
+
+def table_rows(out):
+    return {cells[0]: cells[1:] for cells in ([c.strip() for c in l.strip("|").split("|")]
+                                             for l in out.splitlines() if l.startswith("| ")) if cells[0] != "config"}
+
+
+def test_bench_train_smoke_and_equal_losses():
+    """Packed, padded and Hugging Face training take the same steps on the same data and weights: the loss
+    after two optimizer steps must agree (float32 on CPU: rounding only), or the speed comparison is void."""
+    for mode in ("sft", "dpo"):
+        out = run("bench/bench_train.py", "--mode", mode, "--size", "tiny", "--steps", "1", "--warmup", "1",
+                  "--configs", "packed,padded,hf")
+        rows = table_rows(out)
+        assert set(rows) == {"packed", "padded", "hf"}, out
+        losses = [float(rows[c][4]) for c in ("packed", "padded", "hf")]
+        assert max(losses) - min(losses) < 1e-3 * abs(losses[0]), out
+        assert rows["packed"][3] == "0.0%" and float(rows["padded"][3].rstrip("%")) > 10, out  # padding fraction
+
+
+def test_bench_kernels_smoke():
+    out = run("bench/bench_kernels.py", "--small")
+    assert "| sdpa | 64 |" in out and "RoPE" in out, out
