@@ -173,7 +173,10 @@ def run_config(name, args):
         for block in net.layers:
             block.compile()
     opt = common.make_optimizer(net, 1e-3, 0.0, device_type=device.type)
-    flops_model = Transformer(cfg) if name == "hf" else net  # FLOPs per token from our formula, for all
+    flops_model = net  # FLOPs per token from our formula for every row; hf: a weightless copy of our model
+    if name == "hf":
+        with torch.device("meta"):
+            flops_model = Transformer(cfg)
 
     def batches(step):
         """-> [(micro-batch on device, real sequence lengths)]"""
