@@ -290,23 +290,29 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None):
     if backend == "torch_varlen":
         return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
                            window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
-    # Exact fallback for any device: one SDPA call per sequence, so memory is O(max L^2), not O(T^2).
-    # The Python loop and .tolist() sync are fine on CPU; CUDA uses the varlen kernels above.
-    # K/V heads are repeated for GQA here: SDPA's enable_gqa falls to a math path ~30x slower on CPU.
+    return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window)
+
+
+@torch.compiler.disable  # a Python loop over a data-dependent number of sequences: run eagerly, never traced
+def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None):
+    """Exact fallback for any device: one SDPA call per sequence, so memory is O(max L^2), not O(T^2).
+    The Python loop and .tolist() sync are fine on CPU; CUDA uses the varlen kernels above.
+    K/V heads are repeated for GQA here: SDPA's enable_gqa falls to a math path ~30x slower on CPU."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # split, not slicing in the loop: the backward of split is one cat, a slice's is a zero (T, H, D) each
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     outs = []
+    # 4-D (1, H, L, D): with 3-D inputs CPU SDPA takes its math path (2.5x slower, O(L^2) memory), not flash
     for qi, ki, vi in zip(q.split(lens), k.split(lens), v.split(lens)):
-        qi, ki, vi = qi.transpose(0, 1), ki.transpose(0, 1), vi.transpose(0, 1)  # (H, L, D)
-        L = qi.shape[1]
+        qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
+        L = qi.shape[2]
         mask = None
         if sliding_window is not None and L > sliding_window:
             i = torch.arange(L, device=q.device)
             mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)  # (L, L)
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None)
-        outs.append(o.transpose(0, 1))
+        outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
 
 

@@ -6,6 +6,9 @@ End-to-end training steps, side by side on the same data, model shape, initial w
   padded          nanopack with packing disabled: every micro-batch padded to its longest sequence
   hf              Hugging Face transformers LlamaForCausalLM (SDPA attention) on the same padded micro-batches,
                   full logits + cross-entropy (SFT) or log_softmax + gather (DPO): what most users run today
+  trl-padfree     SFT: TRL's SFTTrainer with padding_free=True (same examples per step, see run_trl)
+  trl-packed      SFT: TRL's SFTTrainer with packing=True (BFD into rows of microbatch_tokens)
+  trl             DPO: TRL's DPOTrainer with precomputed reference log-probs (padded: see run_trl)
 
     python bench/bench_train.py --mode sft                          # CPU: small model; CUDA: Llama-3.2-1B shape
     python bench/bench_train.py --mode dpo --data builtin
@@ -18,7 +21,7 @@ best-fit-decreasing into bins of at most microbatch_tokens tokens, padded ones g
 DPO uses reference log-probs computed before timing by each configuration's own forward (as the cached mode
 does), so the steps compare the policy's forward + backward only. Each configuration runs in a fresh
 subprocess, so its peak memory (CUDA max allocated, or on CPU the peak RSS growth) is its own.
-TRL's trainers are not run here: see bench/RESULTS.md.
+All rows use the same optimizer: AdamW, lr 1e-3 constant, betas (0.9, 0.95), no weight decay, clip 1.0.
 """
 
 import argparse
@@ -41,7 +44,8 @@ SIZES = {  # model shape, token budget per micro-batch, examples per step, lengt
                   microbatch_tokens=8192, batch_size=16, scale=1.0),
     "1b": dict(model="llama-3.2-1b", microbatch_tokens=16384, batch_size=64, scale=1.0),
 }
-CONFIGS = ("packed", "packed+compile", "padded", "hf")
+CONFIGS = dict(sft=("packed", "packed+compile", "padded", "hf", "trl-padfree", "trl-packed"),
+               dpo=("packed", "packed+compile", "padded", "hf", "trl"))
 
 
 # -----------------------------------------------------------------------------
@@ -78,6 +82,12 @@ def builtin_data(n, mode):
         for rec in dpo_examples("train", n):
             seqs.extend(tok.render_pair(rec["prompt"], rec["chosen"], rec["rejected"]))
     return as_data(seqs)
+
+
+def make_data(args, n):
+    if args.data == "builtin":
+        return builtin_data(n, args.mode)
+    return lognormal_data(n, args.mode, vocab=args.vocab, scale=SIZES[args.size]["scale"])
 
 
 def as_data(seqs):
@@ -151,9 +161,7 @@ def run_config(name, args):
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     autocast = torch.autocast("cuda", dtype=dtype) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     dpo = args.mode == "dpo"
-    n_units = args.batch_size * (args.warmup + args.steps)
-    data = (builtin_data(n_units, args.mode) if args.data == "builtin" else
-            lognormal_data(n_units, args.mode, vocab=args.vocab, scale=size["scale"]))
+    data = make_data(args, args.batch_size * (args.warmup + args.steps))
     steps = steps_of(data, args.mode, args.batch_size, args.microbatch_tokens, args.warmup + args.steps,
                      packed=name.startswith("packed"))
 
@@ -167,7 +175,7 @@ def run_config(name, args):
         with tempfile.TemporaryDirectory() as tmp:
             net.save_pretrained(tmp)
             del net
-            net = AutoModelForCausalLM.from_pretrained(tmp, torch_dtype=torch.float32, attn_implementation="sdpa")
+            net = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa")
     net.to(device).train()
     if name == "packed+compile":
         for block in net.layers:
@@ -227,10 +235,15 @@ def run_config(name, args):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     tokens = positions = padding = flops = 0.0
+    profiler = None
     for i, mbs in enumerate(all_steps):
         if i == args.warmup:
             if device.type == "cuda":
                 torch.cuda.synchronize()
+            if args.profile:
+                activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
+                profiler = torch.profiler.profile(activities=activities)
+                profiler.__enter__()
             t0 = time.perf_counter()
         normaliser = sum(mb.num_pairs for mb, _ in mbs) if dpo else sum(mb.num_target_tokens for mb, _ in mbs)
         loss = 0.0
@@ -249,11 +262,169 @@ def run_config(name, args):
                 positions += mb.input_ids.numel()
     loss = float(loss)  # waits for the last step
     elapsed = time.perf_counter() - t0
+    if profiler is not None:
+        profiler.__exit__(None, None, None)
+        print_profile(name, profiler, device.type == "cuda", elapsed)
     peak = (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 - rss0)
     peak_flops = common.peak_flops(device)
     return dict(tokens_per_sec=tokens / elapsed, mfu=flops / elapsed / peak_flops if peak_flops else None,
                 peak_gib=peak, padding=padding / positions, loss=loss, tokens=tokens)
+
+PROFILE_GROUPS = (  # (group, substrings of aten op names), first match wins; self time only, so no double counting
+    ("attention", ("attention", "flash", "varlen")),
+    ("matmul (linear layers, LM head)", ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul")),
+    ("softmax / log-softmax / cross-entropy", ("softmax", "nll_loss", "logsumexp", "cross_entropy")),
+    ("optimizer (AdamW, grad clipping)", ("_foreach", "adam", "norm")),
+    ("copies, casts, gathers, fills", ("copy", "_to_copy", "clone", "cat", "index", "gather", "scatter", "fill", "zero",
+                                       "pad", "contiguous", "empty", "slice", "select", "view", "reshape", "split")),
+)
+
+
+def print_profile(name, prof, cuda, elapsed):
+    """Where the time of the timed steps goes: aten ops' self time (device time on CUDA), grouped, then the top ops."""
+    key = "self_device_time_total" if cuda else "self_cpu_time_total"
+    ops = [(e.key, getattr(e, key) / 1e3, e.count) for e in prof.key_averages() if e.key.startswith("aten::")]
+    total = sum(ms for _, ms, _ in ops)
+    groups = {}
+    for op, ms, _ in ops:
+        g = next((g for g, subs in PROFILE_GROUPS if any(x in op for x in subs)), "other element-wise (norms, SiLU, RoPE, ...)")
+        groups[g] = groups.get(g, 0.0) + ms
+    print(f"\nprofile of {name}: {elapsed:.2f}s of timed steps under the profiler, aten self {'device' if cuda else 'CPU'} time {total / 1e3:.2f}s")
+    print("| where | ms | share |\n|---|---|---|")
+    for g, ms in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"| {g} | {ms:,.0f} | {100 * ms / total:.1f}% |")
+    print("| top ops | ms | calls |\n|---|---|---|")
+    for op, ms, n in sorted(ops, key=lambda o: -o[1])[:12]:
+        print(f"| {op} | {ms:,.0f} | {n} |")
+
+
+# -----------------------------------------------------------------------------
+# TRL's trainers on the same token ids, weights, optimizer and (where the method allows) the same steps
+
+
+def hf_tokenizer(vocab):
+    """A word-level tokenizer over ids 0..vocab-1: TRL wants a processing class for its pad token; the
+    token ids themselves are handed over ready-made, so every configuration trains on the same tokens."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="t0", eos_token="t1")
+
+
+def run_trl(name, args):
+    """trl-padfree  SFTTrainer(padding_free=True): each micro-batch's examples concatenated into one row,
+                 the same examples per step as the other rows (sequential order, token-weighted loss).
+    trl-packed   SFTTrainer(packing=True, packing_strategy="bfd"): the data set packed once into rows of
+                 microbatch_tokens; a step is a whole number of rows, so its examples differ from the others'.
+    trl          DPOTrainer(precompute_ref_log_probs=True), padded: TRL 1.x disables padding_free for DPO."""
+    import datasets
+    import torch
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from model import Transformer, config_from_preset
+
+    size = SIZES[args.size]
+    cuda = torch.cuda.is_available()
+    dpo = args.mode == "dpo"
+    n_steps = args.warmup + args.steps
+    if dpo and name != "trl" or not dpo and name not in ("trl-padfree", "trl-packed"):
+        raise ValueError(f"{name} is not a TRL configuration for --mode {args.mode}")
+    # micro-batches per step: as many as the packed rows need for a step's tokens on average
+    n_units = args.batch_size * n_steps * (4 if name == "trl-packed" else 1)  # packing needs rows to spare
+    data = make_data(args, n_units)
+    lengths = np.diff(data["offsets"])
+    per_step = lengths.reshape(-1, 2).sum(1).mean() if dpo else lengths.mean()
+    rows_per_step = max(1, int(np.ceil(per_step * args.batch_size / args.microbatch_tokens)))
+    accum = min(d for d in range(rows_per_step, args.batch_size + 1) if args.batch_size % d == 0)
+    seqs = [(data["ids"][a:b].tolist(), data["loss_mask"][a:b]) for a, b in zip(data["offsets"][:-1], data["offsets"][1:])]
+    order = np.random.default_rng(0).permutation(len(seqs) // 2 if dpo else len(seqs))  # as steps_of draws it
+    if dpo:
+        rows = []
+        for u in order:
+            (c, cm), (r, rm) = seqs[2 * u], seqs[2 * u + 1]
+            p = int(np.argmax(cm))  # the shared prompt: everything before the first loss token
+            if c[:p] != r[:p] or not (cm[p:].all() and rm[p:].all()):
+                raise ValueError(f"pair {u} is not prompt + completion: TRL cannot take it")
+            rows.append(dict(prompt_ids=c[:p], chosen_ids=c[p:], rejected_ids=r[p:]))
+    else:
+        rows = [dict(input_ids=seqs[u][0], labels=np.where(seqs[u][1], seqs[u][0], -100).tolist()) for u in order]
+    dataset = datasets.Dataset.from_list(rows)
+
+    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    torch.manual_seed(0)
+    cfg = (config_from_preset(size["model"]) if isinstance(size["model"], str) else
+           config_from_preset("tiny", **size["model"]))
+    with tempfile.TemporaryDirectory() as tmp:
+        Transformer(cfg).save_pretrained(tmp)  # the same initial weights as every other row
+        net = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa")
+    with torch.device("meta"):
+        flops_model = Transformer(cfg)
+    common = dict(output_dir=tempfile.mkdtemp(), max_steps=n_steps, learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.95,
+                  weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
+                  gradient_accumulation_steps=1 if name == "trl-packed" else accum,
+                  per_device_train_batch_size=rows_per_step if name == "trl-packed" else args.batch_size // accum,
+                  train_sampling_strategy="sequential", bf16=cuda, use_cpu=not cuda, logging_steps=1,
+                  save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=0)
+    if dpo:
+        from trl import DPOConfig, DPOTrainer as Base
+        config = DPOConfig(beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=True, max_length=None, **common)
+    else:
+        from trl import SFTConfig, SFTTrainer as Base
+        config = SFTConfig(padding_free=True, packing=name == "trl-packed", packing_strategy="bfd",
+                           max_length=args.microbatch_tokens if name == "trl-packed" else None, **common)
+
+    class Trainer(Base):
+        """Counts real tokens, positions, FLOPs and the loss of each micro-batch it trains on."""
+        tally = dict(tokens=0, positions=0, flops=0.0, loss=0.0)
+
+        def _prepare_dataset(self, dataset, *a, **k):  # DPO: the ids are ready; SFT's own path keeps them as is
+            return dataset if dpo else super()._prepare_dataset(dataset, *a, **k)
+
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            ids, mask = inputs["input_ids"], inputs.get("attention_mask")
+            if mask is not None:
+                lens, heads = mask.sum(1), inputs["completion_mask"].sum()
+            else:
+                lens, heads = inputs["cu_seq_lens_q"].diff(), (inputs["labels"] != -100).sum()
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            t = self.tally
+            t["tokens"] += int(lens.sum())
+            t["positions"] += ids.numel()
+            t["flops"] += flops_model.flops_per_token(lens.cpu(), int(heads)) * int(lens.sum())
+            t["loss"] += loss
+            return loss
+
+    class Clock(TrainerCallback):
+        """Real tokens and time of the steps after the warm-up ones."""
+        marks = []
+
+        def on_train_begin(self, *a, **k):
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
+
+        def on_step_end(self, *a, **k):
+            if cuda:
+                torch.cuda.synchronize()
+            self.marks.append((time.perf_counter(), dict(Trainer.tally, loss=float(Trainer.tally["loss"]))))
+            Trainer.tally.update(tokens=0, positions=0, flops=0.0, loss=0.0)
+
+    trainer = Trainer(model=net, args=config, train_dataset=dataset, processing_class=hf_tokenizer(args.vocab),
+                      callbacks=[Clock()])
+    trainer.train()
+    marks = Clock.marks
+    if len(marks) != n_steps:
+        raise RuntimeError(f"TRL ran {len(marks)} steps, not {n_steps}: too little data for its rows")
+    timed = [m for _, m in marks[args.warmup:]]
+    elapsed = marks[-1][0] - marks[args.warmup - 1][0]
+    total = lambda key: sum(m[key] for m in timed)
+    peak = (torch.cuda.max_memory_allocated() / 2**30 if cuda
+            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 - rss0)
+    import common as np_common
+    peak_flops = np_common.peak_flops(torch.device("cuda" if cuda else "cpu"))
+    return dict(tokens_per_sec=total("tokens") / elapsed, mfu=total("flops") / elapsed / peak_flops if peak_flops else None,
+                peak_gib=peak, padding=1 - total("tokens") / total("positions"), loss=marks[-1][1]["loss"],
+                tokens=total("tokens"))
 
 
 def main():
@@ -261,12 +432,16 @@ def main():
     p.add_argument("--mode", choices=("sft", "dpo"), default="sft")
     p.add_argument("--data", choices=("lognormal", "builtin"), default="lognormal")
     p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: 1b on CUDA, small on CPU")
-    p.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset of " + ",".join(CONFIGS))
+    p.add_argument("--configs", default=None, help="comma-separated; default: all of the mode's: "
+                   + "; ".join(f"{m}: {','.join(c)}" for m, c in CONFIGS.items()))
     p.add_argument("--steps", type=int, default=5, help="timed optimizer steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation, allocator)")
     p.add_argument("--batch_size", type=int, default=None, help="examples (DPO: pairs) per step")
     p.add_argument("--microbatch_tokens", type=int, default=None)
+    p.add_argument("--profile", action="store_true", help="also print where the time of the timed steps goes "
+                   "(torch.profiler, nanopack and hf rows; timings then include the profiler's overhead)")
     p.add_argument("--mem_limit_gb", type=float, default=20.0, help="CPU: address-space limit of each child")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per configuration")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
 
@@ -277,15 +452,18 @@ def main():
     args.batch_size = args.batch_size or size["batch_size"]
     args.microbatch_tokens = args.microbatch_tokens or size["microbatch_tokens"]
     model = size["model"]
+    args.configs = args.configs or ",".join(CONFIGS[args.mode])
     args.vocab = 128256 if isinstance(model, str) else model["vocab_size"]
     if args.child:  # inside a subprocess: one configuration, its result as JSON
         if not cuda:
             limit = int(args.mem_limit_gb * 2**30)
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
         try:
-            res = run_config(args.child, args)
+            res = (run_trl if args.child.startswith("trl") else run_config)(args.child, args)
         except (RuntimeError, MemoryError) as e:  # CPU allocator failure or torch.OutOfMemoryError
             res = dict(error="OOM" if "memory" in str(e).lower() else str(e)[:120])
+        except ImportError as e:  # trl is a dev requirement; a row without it says so
+            res = dict(error=f"not installed: {e.name}")
         print("RESULT " + json.dumps(res))
         return
 
@@ -298,11 +476,17 @@ def main():
     for name in args.configs.split(","):
         cmd = [sys.executable, __file__, "--child", name] + [a for a in sys.argv[1:]]
         t = time.perf_counter()
-        out = subprocess.run(cmd, capture_output=True, text=True)
+        try:
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+        except subprocess.TimeoutExpired:
+            out = subprocess.CompletedProcess(cmd, "timeout", "", f"no result within --timeout {args.timeout:.0f}s")
         line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
         res = json.loads(line[-1][7:]) if line else dict(error=f"crashed (exit {out.returncode}): "
                                                             + (out.stderr.strip().splitlines() or [""])[-1][:120])
         print(f"  {name}: {time.perf_counter() - t:.0f}s", flush=True)
+        if args.profile:
+            print("\n".join(l for l in out.stdout.splitlines() if l.startswith(("|", "profile", ""))
+                            and not l.startswith("RESULT ") and not l.startswith("{")), flush=True)
         rows.append((name, res))
     base = dict(rows).get("hf", {}).get("tokens_per_sec")
     mem_name = "peak GiB (CUDA alloc)" if cuda else "peak GiB (RSS growth)"
