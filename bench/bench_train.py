@@ -43,6 +43,9 @@ SIZES = {  # model shape, token budget per micro-batch, examples per step, lengt
     "small": dict(model=dict(d_model=256, n_layer=4, n_head=4, n_kv_head=2, ffn_hidden=688, vocab_size=8192, max_seq_len=8192),
                   microbatch_tokens=8192, batch_size=16, scale=1.0),
     "1b": dict(model="llama-3.2-1b", microbatch_tokens=16384, batch_size=64, scale=1.0),
+    # the Llama-3 vocabulary on a narrow model: what the LM head alone costs in memory at 16k-token micro-batches
+    "vocab128k": dict(model=dict(d_model=256, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=688, vocab_size=128256,
+                                 max_seq_len=16384), microbatch_tokens=16384, batch_size=16, scale=1.0),
 }
 CONFIGS = dict(sft=("packed", "packed+compile", "padded", "hf", "trl-padfree", "trl-packed"),
                dpo=("packed", "packed+compile", "padded", "hf", "trl"))
