@@ -153,13 +153,33 @@ def padded_batch(data, units, dpo):
 # one configuration, in its own process
 
 
+def model_config(args):
+    from model import config_from_preset
+    model = SIZES[args.size]["model"]
+    return config_from_preset(model) if isinstance(model, str) else config_from_preset("tiny", **model)
+
+
+def rss_gib():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+
+
+def result(tokens, positions, flops, elapsed, loss, rss0):
+    """The row of one configuration: real tokens/s, MFU (CUDA), peak memory (CUDA allocated / CPU RSS growth)."""
+    import torch
+    import common
+    cuda = torch.cuda.is_available()
+    peak_flops = common.peak_flops(torch.device("cuda" if cuda else "cpu"))
+    return dict(tokens_per_sec=tokens / elapsed, mfu=flops / elapsed / peak_flops if peak_flops else None,
+                peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else rss_gib() - rss0,
+                padding=1 - tokens / positions, loss=loss, tokens=tokens)
+
+
 def run_config(name, args):
     import torch
     import torch.nn.functional as F
-    from model import Transformer, config_from_preset
+    from model import Transformer
     import common
 
-    size = SIZES[args.size]
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     autocast = torch.autocast("cuda", dtype=dtype) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
@@ -168,10 +188,9 @@ def run_config(name, args):
     steps = steps_of(data, args.mode, args.batch_size, args.microbatch_tokens, args.warmup + args.steps,
                      packed=name.startswith("packed"))
 
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    rss0 = rss_gib()
     torch.manual_seed(0)
-    cfg = (config_from_preset(size["model"]) if isinstance(size["model"], str) else
-           config_from_preset("tiny", **size["model"]))
+    cfg = model_config(args)
     net = Transformer(cfg)
     if name == "hf":  # the same weights, through a Hugging Face checkpoint
         from transformers import AutoModelForCausalLM
@@ -237,7 +256,7 @@ def run_config(name, args):
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-    tokens = positions = padding = flops = 0.0
+    tokens = positions = flops = 0.0
     profiler = None
     for i, mbs in enumerate(all_steps):
         if i == args.warmup:
@@ -246,7 +265,7 @@ def run_config(name, args):
             if args.profile:
                 activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if device.type == "cuda" else [])
                 profiler = torch.profiler.profile(activities=activities)
-                profiler.__enter__()
+                profiler.start()
             t0 = time.perf_counter()
         normaliser = sum(mb.num_pairs for mb, _ in mbs) if dpo else sum(mb.num_target_tokens for mb, _ in mbs)
         loss = 0.0
@@ -261,18 +280,13 @@ def run_config(name, args):
             for mb, lens in mbs:
                 flops += flops_model.flops_per_token(lens, mb.num_target_tokens) * mb.num_tokens
                 tokens += mb.num_tokens
-                padding += mb.num_padding
                 positions += mb.input_ids.numel()
     loss = float(loss)  # waits for the last step
     elapsed = time.perf_counter() - t0
     if profiler is not None:
-        profiler.__exit__(None, None, None)
+        profiler.stop()
         print_profile(name, profiler, device.type == "cuda", elapsed)
-    peak = (torch.cuda.max_memory_allocated() / 2**30 if device.type == "cuda"
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 - rss0)
-    peak_flops = common.peak_flops(device)
-    return dict(tokens_per_sec=tokens / elapsed, mfu=flops / elapsed / peak_flops if peak_flops else None,
-                peak_gib=peak, padding=padding / positions, loss=loss, tokens=tokens)
+    return result(tokens, positions, flops, elapsed, loss, rss0)
 
 PROFILE_GROUPS = (  # (group, substrings of aten op names), first match wins; self time only, so no double counting
     ("attention", ("attention", "flash", "varlen")),
@@ -325,9 +339,8 @@ def run_trl(name, args):
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, TrainerCallback
-    from model import Transformer, config_from_preset
+    from model import Transformer
 
-    size = SIZES[args.size]
     cuda = torch.cuda.is_available()
     dpo = args.mode == "dpo"
     n_steps = args.warmup + args.steps
@@ -354,16 +367,15 @@ def run_trl(name, args):
         rows = [dict(input_ids=seqs[u][0], labels=np.where(seqs[u][1], seqs[u][0], -100).tolist()) for u in order]
     dataset = datasets.Dataset.from_list(rows)
 
-    rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    rss0 = rss_gib()
     torch.manual_seed(0)
-    cfg = (config_from_preset(size["model"]) if isinstance(size["model"], str) else
-           config_from_preset("tiny", **size["model"]))
+    cfg = model_config(args)
     with tempfile.TemporaryDirectory() as tmp:
         Transformer(cfg).save_pretrained(tmp)  # the same initial weights as every other row
         net = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa")
     with torch.device("meta"):
         flops_model = Transformer(cfg)
-    common = dict(output_dir=tempfile.mkdtemp(), max_steps=n_steps, learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.95,
+    shared = dict(output_dir=tempfile.mkdtemp(), max_steps=n_steps, learning_rate=1e-3, adam_beta1=0.9, adam_beta2=0.95,
                   weight_decay=0.0, max_grad_norm=1.0, lr_scheduler_type="constant", warmup_steps=0,
                   gradient_accumulation_steps=1 if name == "trl-packed" else accum,
                   per_device_train_batch_size=rows_per_step if name == "trl-packed" else args.batch_size // accum,
@@ -371,11 +383,11 @@ def run_trl(name, args):
                   save_strategy="no", report_to=[], disable_tqdm=True, dataloader_num_workers=0, seed=0)
     if dpo:
         from trl import DPOConfig, DPOTrainer as Base
-        config = DPOConfig(beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=True, max_length=None, **common)
+        config = DPOConfig(beta=0.1, loss_type=["sigmoid"], precompute_ref_log_probs=True, max_length=None, **shared)
     else:
         from trl import SFTConfig, SFTTrainer as Base
         config = SFTConfig(padding_free=True, packing=name == "trl-packed", packing_strategy="bfd",
-                           max_length=args.microbatch_tokens if name == "trl-packed" else None, **common)
+                           max_length=args.microbatch_tokens if name == "trl-packed" else None, **shared)
 
     class Trainer(Base):
         """Counts real tokens, positions, FLOPs and the loss of each micro-batch it trains on."""
@@ -421,13 +433,7 @@ def run_trl(name, args):
     timed = [m for _, m in marks[args.warmup:]]
     elapsed = marks[-1][0] - marks[args.warmup - 1][0]
     total = lambda key: sum(m[key] for m in timed)
-    peak = (torch.cuda.max_memory_allocated() / 2**30 if cuda
-            else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20 - rss0)
-    import common as np_common
-    peak_flops = np_common.peak_flops(torch.device("cuda" if cuda else "cpu"))
-    return dict(tokens_per_sec=total("tokens") / elapsed, mfu=total("flops") / elapsed / peak_flops if peak_flops else None,
-                peak_gib=peak, padding=1 - total("tokens") / total("positions"), loss=marks[-1][1]["loss"],
-                tokens=total("tokens"))
+    return result(total("tokens"), total("positions"), total("flops"), elapsed, marks[-1][1]["loss"], rss0)
 
 
 def main():
@@ -488,8 +494,7 @@ def main():
                                                             + (out.stderr.strip().splitlines() or [""])[-1][:120])
         print(f"  {name}: {time.perf_counter() - t:.0f}s", flush=True)
         if args.profile:
-            print("\n".join(l for l in out.stdout.splitlines() if l.startswith(("|", "profile", ""))
-                            and not l.startswith("RESULT ") and not l.startswith("{")), flush=True)
+            print("\n".join(l for l in out.stdout.splitlines() if not l.startswith(("RESULT ", "{"))), flush=True)
         rows.append((name, res))
     base = dict(rows).get("hf", {}).get("tokens_per_sec")
     mem_name = "peak GiB (CUDA alloc)" if cuda else "peak GiB (RSS growth)"
