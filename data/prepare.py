@@ -11,7 +11,8 @@ Accepted lines (the first line decides SFT or DPO; one kind per file):
        the prompt is their longest common prefix; what follows it must be assistant turns
   DPO  {"prompt": str | [messages], "chosen": str | [assistant messages], "rejected": the same}
        if chosen/rejected hold whole conversations (non-assistant turns), the prompt field is
-       ignored and inferred as above (the Hugging Face "ultrafeedback_binarized" layout)
+       ignored and inferred as above (the Hugging Face "ultrafeedback_binarized" layout, whose
+       "messages" column repeats the chosen conversation; a "messages" that differs from it is an error)
 
 Output in out_dir, per split (train, val): <split>_ids.npy (uint16 if the vocab fits, else uint32),
 <split>_offsets.npy (int64, example i = ids[offsets[i]:offsets[i+1]]), <split>_mask.npy (uint8, 1 on
@@ -108,6 +109,13 @@ def as_messages(x, field, role, where):
 
 def parse(record, where):
     """A JSONL record -> ("sft", messages) or ("dpo", (prompt, chosen, rejected) message lists)."""
+    dpo_keys = [k for k in ("chosen", "rejected") if k in record]
+    if "messages" in record and dpo_keys:  # ultrafeedback_binarized's messages == chosen; anything else is a guess
+        if record["messages"] != record.get("chosen"):
+            raise DataError(f"{where}: the line has both 'messages' (SFT) and {' and '.join(map(repr, dpo_keys))} "
+                            f"(DPO), and 'messages' is not the chosen conversation — keep one kind per line: drop "
+                            f"'messages' from DPO data, or 'chosen' and 'rejected' from SFT data")
+        record = {k: v for k, v in record.items() if k != "messages"}
     if "messages" in record:
         messages = check_messages(record["messages"], "messages", where)
         if not any(m["role"] == "assistant" for m in messages):

@@ -66,6 +66,8 @@ BAD_LINES = {  # name -> (bad line, regex the message must match after 'bad.json
     "non-UTF-8": (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',
                   r"invalid UTF-8 byte b'\\xe9' .* re-encode the file as UTF-8"),
     "mixed kinds": (PAIR, r"a DPO line in a file that began as SFT at .*bad.jsonl:1"),
+    "messages and chosen": (dict(GOOD, chosen="a"), r"the line has both 'messages' \(SFT\) and 'chosen' \(DPO\), "
+                                                    r"and 'messages' is not the chosen conversation — keep one kind"),
 }
 BAD_PAIRS = {  # the same, in a DPO file
     "chosen equals rejected": ({"prompt": "hi", "chosen": "same", "rejected": "same"},
@@ -79,6 +81,12 @@ BAD_PAIRS = {  # the same, in a DPO file
     "bad role in prompt": ({"prompt": [{"role": "human", "content": "hi"}], "chosen": "a", "rejected": "b"},
                            r"prompt\[0\]\.role is 'human', an unknown role"),
     "non-string chosen": ({"prompt": "hi", "chosen": 42, "rejected": "b"}, r"'chosen' must be a non-empty list"),
+    "non-string prompt": ({"prompt": 42, "chosen": "a", "rejected": "b"}, r"'prompt' must be a non-empty list.*got 42"),
+    "rejected is one message": ({"prompt": "hi", "chosen": "a", "rejected": {"role": "assistant", "content": "b"}},
+                                r"'rejected' must be a non-empty list.*got \{\"role\""),
+    "messages differ from chosen": ({"prompt": "hi", "chosen": CONV_A, "rejected": sft("hi", "b")["messages"],
+                                     "messages": sft("hi", "c")["messages"]},
+                                    r"the line has both 'messages' \(SFT\) and 'chosen' and 'rejected' \(DPO\)"),
 }
 
 
@@ -205,13 +213,15 @@ def test_dpo_formats_give_the_same_pairs(tmp_path):
         {"prompt": prompt, "chosen": "4", "rejected": "5"},             # explicit, strings
         {"prompt": prompt, "chosen": [good], "rejected": [bad]},        # explicit, message lists
         {"prompt": "ignored", "chosen": prompt + [good], "rejected": prompt + [bad]},  # ultrafeedback layout
+        {"prompt": "ignored", "chosen": prompt + [good], "rejected": prompt + [bad],  # ... with its messages column
+         "messages": prompt + [good]},
     ]
     path = write_jsonl(tmp_path / "pairs.jsonl", lines)
     meta = prepare(path, str(tmp_path / "out"), TOK, val_fraction=0, verbose=False)
-    assert meta["kind"] == "dpo" and meta["counts"]["train"]["examples"] == 4
+    assert meta["kind"] == "dpo" and meta["counts"]["train"]["examples"] == 5
     got = examples(str(tmp_path / "out"), "train")
     expected = list(TOK.render_pair(prompt, "4", "5"))
-    assert len(got) == 8 and all(got[2 * i:2 * i + 2] == expected for i in range(4))
+    assert len(got) == 10 and all(got[2 * i:2 * i + 2] == expected for i in range(5))
     # the mask covers the final reply only, not the assistant turn inside the prompt
     (c, cm), (r, rm) = expected
     assert TOK.decode([t for t, m in zip(c, cm) if m]) == "4<|end|>"
