@@ -1,16 +1,20 @@
 """
-What train_sft.py and train_dpo.py would otherwise both copy: distributed setup, wrapping the model for
-DDP / FSDP2, precision, tokenizer and data preparation, optimizer and LR schedule, checkpoint save/resume,
-the built-in task's accuracy, throughput metrics (tokens/s, MFU, padding, memory), Hugging Face export.
+What train_sft.py and train_dpo.py share, so that each script holds only its own loop: distributed setup,
+precision, one way to build a run (tokenizer, data, model, optimizer, loader, resume), the optimizer and LR
+schedule, checkpoints and Hugging Face export, and honest throughput metrics (tokens/s, MFU, padding, memory).
 """
 
+import datetime
 import json
 import math
 import os
 import random
+import resource
 import shutil
+import signal
 import time
 from contextlib import nullcontext
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import torch
@@ -18,14 +22,23 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from data.arithmetic import prepare_builtin
+from data.prepare import load, prepare
+from model import PRESETS, ModelConfig, Transformer, config_from_preset, read_hf_config
+from packing import PackedLoader
+from tokenizer import Tokenizer, get_tokenizer
 
 # -----------------------------------------------------------------------------
 # distributed
 
 
-def setup_distributed(device="auto"):
+def setup_distributed(device="auto", timeout_s=300):
     """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python script.py` is rank 0 of 1.
-    Returns (rank, world_size, device). CUDA uses NCCL, CPU uses gloo (so tests run without a GPU)."""
+    Returns (rank, world_size, device). CUDA uses NCCL, CPU uses gloo (so tests run without a GPU).
+    A collective that waits longer than timeout_s (a stalled or dead rank) fails instead of hanging."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device == "auto":
@@ -34,12 +47,14 @@ def setup_distributed(device="auto"):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     if world_size > 1:
-        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world_size, torch.device(device)
 
 
 def teardown_distributed():
     if dist.is_initialized():
+        dist.barrier()  # no rank tears down while another still talks to it (seen: an abort at exit under gloo)
         dist.destroy_process_group()
 
 
@@ -63,20 +78,14 @@ def wrap_model(model, parallel, world_size, param_dtype):
     if world_size == 1:
         return model
     if parallel == "ddp":
-        from torch.nn.parallel import DistributedDataParallel as DDP
         return DDP(model, device_ids=[model.embed_tokens.weight.device.index] if model.embed_tokens.weight.is_cuda else None)
     if parallel == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.layers:
             fully_shard(block, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
         return model
     raise ValueError(f"parallel={parallel!r}: choose 'ddp' or 'fsdp'")
-
-
-def unwrap(model):
-    return model.module if hasattr(model, "module") else model
 
 
 def no_grad_sync(model, parallel, last_microbatch):
@@ -102,33 +111,271 @@ def precision(device, dtype, parallel, world_size):
 
 
 # -----------------------------------------------------------------------------
-# tokenizer and data
+# one way to build a run: tokenizer, data, model, optimizer, loader, resume
+
+
+@dataclass
+class Run:
+    """Everything a training script needs before its loop, built the same way for SFT and DPO by setup()."""
+    rank: int
+    world_size: int
+    device: torch.device
+    dtype: str                 # 'bfloat16' | 'float32'
+    autocast: object           # context manager for forward passes
+    tok: Tokenizer
+    data_dir: str
+    train_data: dict
+    val_data: dict
+    start: dict                # what the initial weights are: dict(init_from=..., preset=...)
+    model: torch.nn.Module     # wrapped for DDP / FSDP2 when world_size > 1: call this one
+    raw_model: Transformer     # the network itself: num_params, flops_per_token, generation
+    optimizer: torch.optim.Optimizer
+    loader: PackedLoader
+    iter_num: int              # optimizer steps already taken (resume)
+    max_iters: int
+    ckpt_path: str
+    saved: dict                # the script's own extras from the checkpoint being resumed ({} otherwise)
+    max_bad_steps: int
+    stop: "StopSignal"
+    skipped_steps: int = 0     # updates skipped for a non-finite loss or gradient norm, this process's lifetime
+    bad_in_a_row: int = 0
+
+    @property
+    def master(self):
+        return self.rank == 0
+
+    def optimizer_step(self, step_loss, grad_clip):
+        """Clip, and update only if the step's loss and gradient norm are finite on every rank. One small
+        all-reduce read by the host per step, which also makes every rank agree on a stop signal.
+        -> (gradient norm, whether the update was made, whether to stop after this step)."""
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), grad_clip if grad_clip > 0 else float("inf"))
+        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
+        flags = torch.stack([~torch.isfinite(step_loss.float()) | ~torch.isfinite(grad_norm),
+                             torch.tensor(self.stop.name is not None, device=grad_norm.device)]).float()
+        if dist.is_initialized():
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        bad, stop = flags.tolist()
+        if not bad:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.iter_num += 1
+        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
+        self.skipped_steps += int(bad)
+        if bad:
+            print0(f"iter {self.iter_num}: the loss or gradient norm is NaN or infinite: update skipped, weights unchanged "
+                   f"({self.bad_in_a_row} in a row, at most max_bad_steps={self.max_bad_steps})")
+        if self.bad_in_a_row >= self.max_bad_steps:
+            raise SystemExit(f"stopping: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient norm. The "
+                             f"last checkpoint ({self.ckpt_path}, if one was written) holds finite weights. Lower "
+                             f"learning_rate or check the data, then resume or start again.")
+        return float(grad_norm), not bad, bool(stop)
+
+    def stopped(self, out_dir):
+        """After a stop signal: the checkpoint is saved, say how to continue, exit cleanly."""
+        print0(f"stopped by {self.stop.name or 'a signal on another rank'} after iter {self.iter_num}: checkpoint "
+               f"{self.ckpt_path}; continue with --init_from=resume --out_dir={out_dir}")
+        teardown_distributed()
+        raise SystemExit(0)
+
+
+class StopSignal:
+    """SIGINT (Ctrl-C) or SIGTERM (a cluster's preemption) asks the run to stop after the current step with a
+    checkpoint. A second SIGINT stops at once; a SIGTERM after a SIGINT (torchrun passes Ctrl-C on) does not."""
+
+    def __init__(self):
+        self.name = None
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self.handle)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        if self.name == "SIGINT" and name == "SIGINT":
+            raise KeyboardInterrupt
+        self.name = self.name or name
+        print(f"rank {os.environ.get('RANK', 0)}: {name}: stopping after this step with a checkpoint", flush=True)
+
+
+def check_config(c, kind, choices):
+    """Every value a user can get wrong, checked before any data is tokenized or model loaded: one
+    `config error:` line each, naming the key, the value and what is accepted."""
+    def bad(key, accepted):
+        raise SystemExit(f"config error: {key}={c[key]!r}; {accepted}")
+
+    choices = dict(device=("auto", "cpu", "cuda"), dtype=("auto", "bfloat16", "float32"), parallel=("ddp", "fsdp"),
+                   overlong=("error", "truncate", "skip"), loss_weighting=("token", "sequence"), **choices)
+    for key, allowed in choices.items():
+        if key in c and c[key] not in allowed:
+            why = "; float16 needs loss scaling that nanopack does not do: bfloat16 has float32's range" * (
+                c[key] in ("float16", "fp16", "half"))
+            bad(key, f"choose one of {', '.join(allowed)}{why}")
+    at_least = dict(batch_size=1, microbatch_tokens=1, log_interval=1, max_len=1, max_bad_steps=1, dist_timeout=1,
+                    max_iters=0, eval_interval=0, eval_examples=0, warmup_iters=0, weight_decay=0.0, grad_clip=0.0,
+                    min_lr=0.0, label_smoothing=0.0, sft_weight=0.0)
+    for key, low in at_least.items():
+        if key in c and c[key] < low:
+            bad(key, f"it must be at least {low}")
+    for key in ("learning_rate", "epochs", "beta"):
+        if key in c and not c[key] > 0:
+            bad(key, "it must be greater than 0")
+    if not 0.0 <= c["val_fraction"] < 1.0:
+        bad("val_fraction", "it must be in [0, 1)")
+    if kind == "dpo" and (c["label_smoothing"] >= 0.5 or (c["label_smoothing"] and c["loss_type"] in ("ipo", "hinge"))):
+        bad("label_smoothing", "it must be below 0.5, and 0 for ipo and hinge")
+    if c["device"] == "cuda" and not torch.cuda.is_available():
+        bad("device", "this machine has no CUDA GPU (torch.cuda.is_available() is False); use 'auto' or 'cpu'")
+    if c["init_from"] == "scratch" and c["preset"] not in PRESETS:
+        bad("preset", f"choose one of {', '.join(PRESETS)}")
+    if c["init_from"] not in ("scratch", "resume") and not os.path.isfile(os.path.join(c["init_from"], "config.json")):
+        hint = "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`" * (kind == "dpo")
+        bad("init_from", f"it is neither 'scratch', 'resume' nor a Hugging Face model folder (with a config.json)"
+                         f"{hint}")
+    if c["tokenizer"] not in ("", "byte") and not Tokenizer.has_files(c["tokenizer"]):
+        bad("tokenizer", "use 'byte' or a folder with tokenizer.json or tokenizer.model")
+    data = c["data"]
+    if data != "builtin" and not (data.endswith(".jsonl") and os.path.isfile(data)) and not os.path.isfile(
+            os.path.join(data, "meta.json")):
+        what = "no such file" if data.endswith(".jsonl") else "not a .jsonl file nor a folder written by data/prepare.py"
+        bad("data", f"{what}; use 'builtin', a chat .jsonl file, or a folder written by data/prepare.py")
+    try:  # can we write where the run will live? Better now than after an hour of training
+        os.makedirs(c["out_dir"], exist_ok=True)
+        with open(os.path.join(c["out_dir"], f".write_test_{os.getpid()}"), "w") as f:
+            f.write("ok")
+        os.remove(f.name)
+    except OSError as e:
+        bad("out_dir", f"cannot write there ({e.strerror}); choose a writable folder")
+    if c["init_from"] != "resume" and not c["overwrite"] and os.path.exists(os.path.join(c["out_dir"], "ckpt.pt")):
+        raise SystemExit(f"config error: {c['out_dir']} already holds a run (ckpt.pt); continue it with "
+                         f"--init_from=resume, or start over there with --overwrite=True, or choose another out_dir")
+
+
+def setup(config, kind, builtin_sizes=None, choices=None):
+    """Distributed setup, precision, tokenizer, data, model (scratch preset, Hugging Face folder or resumed),
+    activation checkpointing, compile, DDP/FSDP2 wrap, optimizer, packed loader, and the checkpoint's state
+    restored when config['init_from'] == 'resume'. kind: 'sft' or 'dpo'; choices: the script's own {key: allowed}."""
+    c = config
+    check_config(c, kind, choices or {})
+    rank, world_size, device = setup_distributed(c["device"], c["dist_timeout"])
+    torch.manual_seed(c["seed"])
+    dtype, ptdtype, autocast = precision(device, c["dtype"], c["parallel"], world_size)
+    resume = c["init_from"] == "resume"
+    ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
+    ckpt = load_checkpoint(ckpt_path) if resume else None
+    os.makedirs(c["out_dir"], exist_ok=True)
+
+    if resume:  # a resumed run continues with the data, tokenizer and initial weights of the run it continues
+        tok, data_dir, start = get_tokenizer(ckpt["tokenizer"]), ckpt["data_dir"], ckpt["start"]
+        model_config = ModelConfig(**ckpt["model_config"])
+    else:
+        start = dict(init_from=c["init_from"], preset=c["preset"])
+        tok = choose_tokenizer(c["tokenizer"], c["init_from"])
+        model_config = initial_config(start, tok)
+        data_dir = prepare_data(c["data"], c["out_dir"], tok, kind, c["max_len"], model_config.max_seq_len,
+                                c["overlong"], c["seed"], c["val_fraction"], **(builtin_sizes or {}))
+    train_data, val_data = load_data(data_dir, tok, kind)
+    check_fits(model_config, tok, data_dir, train_data, val_data, c["microbatch_tokens"], kind)
+    try:
+        raw_model = Transformer(model_config) if resume else initial_model(start, tok, c["seed"])
+    except (ValueError, OSError, KeyError) as e:  # a model folder we cannot read: what and where, in one line
+        raise SystemExit(f"model error: {e}") from None
+    raw_model.to(device)
+    raw_model.activation_checkpointing = c["activation_checkpointing"]
+    if c["compile"]:
+        # Per block: the chunked loss's loop stays eager, each block is one graph. Training shapes are fixed
+        # (micro-batches padded to microbatch_tokens); the number of sequences (cu_seqlens, max_seqlen) varies,
+        # and generation in evaluation has other shapes: automatic dynamic shapes recompile once for those.
+        for block in raw_model.layers:
+            block.compile()
+    model = wrap_model(raw_model, c["parallel"], world_size, ptdtype)
+    optimizer = make_optimizer(model, c["learning_rate"], c["weight_decay"], device_type=device.type)
+
+    # compile wants a fixed shape: every micro-batch is padded to microbatch_tokens (a dummy tail segment)
+    loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
+                          seed=c["seed"], dpo=kind == "dpo", pad_to=c["microbatch_tokens"] if c["compile"] else None)
+    max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))
+    iter_num, saved = 0, {}
+    if resume:
+        restore_checkpoint(ckpt, model, optimizer)
+        loader.load_state_dict(ckpt["loader"])
+        iter_num, saved = ckpt["iter_num"], ckpt["extra"]
+    n_units = len(loader.lengths)
+    print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters | data: {data_dir}, {n_units} train "
+           f"{'pairs' if kind == 'dpo' else 'examples'}, {len(loader)} steps/epoch | world size {world_size} "
+           f"({c['parallel']}) | device {device}, {dtype} | {max_iters} iterations")
+    return Run(rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
+               data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
+               raw_model=raw_model, optimizer=optimizer, loader=loader, iter_num=iter_num, max_iters=max_iters,
+               ckpt_path=ckpt_path, saved=saved, max_bad_steps=c["max_bad_steps"], stop=StopSignal())
+
+
+def initial_config(start, tok):
+    """The ModelConfig of the weights a run starts from, without loading them."""
+    if start["init_from"] == "scratch":
+        return config_from_preset(start["preset"], vocab_size=tok.vocab_size)
+    try:
+        return read_hf_config(start["init_from"])
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"model error: {e}") from None
+
+
+def check_fits(model_config, tok, data_dir, train_data, val_data, microbatch_tokens, kind):
+    """Data the model cannot take, found at load time rather than iterations later: a tokenizer larger than the
+    embedding table, an example longer than the model's positions or than one micro-batch."""
+    if tok.vocab_size > model_config.vocab_size:
+        raise SystemExit(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_config.vocab_size} "
+                         f"embeddings; use the model's own tokenizer (--tokenizer=<its folder>)")
+    for split, data in (("train", train_data), ("val", val_data)):
+        lengths = np.diff(np.asarray(data["offsets"]))
+        if not len(lengths) and split == "train":
+            raise SystemExit(f"{data_dir} has no train examples; check the data (or lower val_fraction)")
+        if not len(lengths):
+            print0(f"note: {data_dir} has no val examples: evaluation reports no val loss (a small file? raise "
+                   f"val_fraction)")
+            continue
+        i = int(lengths.argmax())
+        if lengths[i] > model_config.max_seq_len:
+            raise SystemExit(f"{data_dir}: {split} example {i} has {lengths[i]} tokens, more than the model's "
+                             f"max_seq_len={model_config.max_seq_len} positions; prepare the data with "
+                             f"--max_len={model_config.max_seq_len} (and --overlong=truncate or skip)")
+        units = lengths.reshape(-1, 2).sum(1) if kind == "dpo" else lengths
+        if units.max() > microbatch_tokens:
+            what = "pair (chosen + rejected)" if kind == "dpo" else "example"
+            raise SystemExit(f"{data_dir}: the longest {split} {what} ({int(units.argmax())}) has {units.max()} tokens, "
+                             f"more than microbatch_tokens={microbatch_tokens}; raise microbatch_tokens to at least "
+                             f"{units.max()}, or prepare the data with a smaller --max_len")
+
+
+def initial_model(start, tok, seed):
+    """The weights a run starts from (and, for DPO, its reference): a seeded preset or a Hugging Face folder."""
+    if start["init_from"] == "scratch":
+        torch.manual_seed(seed)  # the same weights on every rank, and again when a live reference is rebuilt
+        return Transformer(config_from_preset(start["preset"], vocab_size=tok.vocab_size))
+    return Transformer.from_pretrained(start["init_from"], dtype=torch.float32)
 
 
 def choose_tokenizer(tokenizer, init_from):
     """The tokenizer asked for; else the one in init_from's Hugging Face folder; else the byte-level one
     (a folder without tokenizer files is a model we trained with it, like out/sft/hf)."""
-    from tokenizer import Tokenizer, get_tokenizer
     hf_folder = init_from not in ("scratch", "resume")
     return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"))
 
 
-def prepare_data(data, out_dir, tok, kind, max_len, overlong, seed, **builtin):
+def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed, val_fraction, **builtin):
     """-> the folder of token files for `data`. 'builtin' and a .jsonl file are tokenized into out_dir/data
-    by rank 0 while the others wait; a folder written by data/prepare.py is used as it is."""
+    by rank 0 while the others wait; a folder written by data/prepare.py is used as it is. A sequence longer
+    than the model's positions is handled as one longer than max_len (`overlong`), so its line is named."""
     if data != "builtin" and not data.endswith(".jsonl"):
         return data
     data_dir = os.path.join(out_dir, "data")
     if int(os.environ.get("RANK", 0)) == 0:
         try:
             if data == "builtin":
-                from data.arithmetic import prepare_builtin
                 prepare_builtin(data_dir, tokenizer=tok, kind=kind, **builtin)
             else:
-                from data.prepare import prepare
-                prepare(data, data_dir, tokenizer=tok.name, max_len=max_len, overlong=overlong, seed=seed)
+                prepare(data, data_dir, tokenizer=tok, max_len=min(max_len, max_seq_len), overlong=overlong,
+                        val_fraction=val_fraction, seed=seed)
         except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
-            raise SystemExit(f"data error: {e}") from None
+            capped = f" (max_len is capped at the model's max_seq_len={max_seq_len}: it has no positions beyond)"
+            raise SystemExit(f"data error: {e}{capped * (max_len > max_seq_len and 'max_len' in str(e))}") from None
     if dist.is_initialized():
         dist.barrier()
     return data_dir
@@ -136,7 +383,6 @@ def prepare_data(data, out_dir, tok, kind, max_len, overlong, seed, **builtin):
 
 def load_data(data_dir, tok, kind):
     """-> (train, val) token data of a folder, checked against the run: SFT or DPO data, same tokenizer."""
-    from data.prepare import load
     train, meta = load(data_dir, "train")
     val, _ = load(data_dir, "val")
     if meta.get("kind") != kind:
@@ -149,22 +395,6 @@ def load_data(data_dir, tok, kind):
     return train, val
 
 
-@torch.no_grad()
-def builtin_accuracy(model, tok, n, device, autocast, sync_ranks):
-    """Held-out exact match on the built-in task: the first n val prompts, answered greedily, split
-    over ranks. model: the unwrapped model (FSDP2 modules gather their shards when called)."""
-    from data.arithmetic import score, val_problems
-    from sample import generate
-    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    problems = val_problems(n)[rank::world_size]
-    with autocast:
-        replies = generate(model, [tok.render_prompt(p) for p, _ in problems], max_new_tokens=16,
-                           stop_ids=tok.stop_ids, sync_ranks=sync_ranks)
-    texts = [tok.decode([t for t in r if t not in tok.stop_ids]) for r in replies]
-    right, asked = all_reduce_sum([sum(score(ans, t) for (_, ans), t in zip(problems, texts)), len(problems)], device)
-    return right / asked
-
-
 # -----------------------------------------------------------------------------
 # optimizer and schedule
 
@@ -175,6 +405,12 @@ def make_optimizer(model, learning_rate, weight_decay, betas=(0.9, 0.95), device
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [dict(params=decay, weight_decay=weight_decay), dict(params=no_decay, weight_decay=0.0)]
     return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, fused=device_type == "cuda")
+
+
+def set_lr(optimizer, lr):
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    return lr
 
 
 def lr_at(it, max_iters, learning_rate, min_lr, warmup_iters):
@@ -207,18 +443,36 @@ def set_rng_state(state):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(path, model, optimizer, extra):
+def save_checkpoint(run, loader_state, config, extra, evaluation=None):
     """Full (unsharded) model and optimizer state on rank 0, keyed by parameter names so a checkpoint
     moves freely between 1 process, DDP and FSDP2 and any world size. Temp file + rename: a kill
-    mid-write leaves the previous checkpoint whole."""
-    model_sd = get_model_state_dict(model, options=_FULL)  # collective under FSDP: every rank calls it
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=_FULL)
-    if int(os.environ.get("RANK", 0)) == 0:
-        tmp = path + ".tmp"
-        torch.save(dict(model=model_sd, optimizer=optim_sd, rng=rng_state(), **extra), tmp)
-        os.replace(tmp, path)
+    mid-write leaves the previous checkpoint whole. extra: the script's own state, run.saved on resume.
+    Weights that are not all finite, or whose evaluation is not, are never written: the previous checkpoint stays."""
+    bad = [k for k, v in (evaluation or {}).items() if not math.isfinite(v)]
+    if bad or not all_finite(run.model):
+        print0(f"iter {run.iter_num}: {'the weights are' if not bad else ', '.join(bad) + ' is'} not finite: checkpoint "
+               f"NOT written ({run.ckpt_path} stays as it was)")
+        return False
+    model_sd = get_model_state_dict(run.model, options=_FULL)  # collective under FSDP: every rank calls it
+    optim_sd = get_optimizer_state_dict(run.model, run.optimizer, options=_FULL)
+    if run.master:
+        tmp = run.ckpt_path + ".tmp"
+        torch.save(dict(model=model_sd, optimizer=optim_sd, rng=rng_state(), model_config=asdict(run.raw_model.config),
+                        iter_num=run.iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
+                        data_dir=run.data_dir, start=run.start, extra=extra), tmp)
+        os.replace(tmp, run.ckpt_path)
     if dist.is_initialized():
         dist.barrier()
+    return True
+
+
+def all_finite(model):
+    """Whether every parameter is finite, on every rank (each checks its own shards under FSDP2)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    ok = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
 
 
 def load_checkpoint(path):
@@ -234,29 +488,30 @@ def restore_checkpoint(ckpt, model, optimizer):
     set_rng_state(ckpt["rng"])
 
 
-def full_model_state(model):
-    """The whole model's weights on CPU, on every rank (a collective under FSDP)."""
-    return get_model_state_dict(model, options=_FULL)
-
-
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 
 
-def export_hf(model, model_config, hf_dir, tokenizer_from=None):
-    """The trained weights as a Hugging Face folder (rank 0 writes; a collective under FSDP), with the
-    tokenizer files of the folder the run started from, so the result loads like the original."""
-    from model import Transformer
-    full_state = full_model_state(model)
-    if int(os.environ.get("RANK", 0)) != 0:
-        return
-    with torch.device("meta"):
-        export = Transformer(model_config)
-    export.load_state_dict(full_state, assign=True)
-    export.save_pretrained(hf_dir)
-    for name in TOKENIZER_FILES if tokenizer_from else ():
-        if os.path.exists(os.path.join(tokenizer_from, name)):
-            shutil.copy(os.path.join(tokenizer_from, name), hf_dir)
+def finish(run, out_dir):
+    """The trained weights as a Hugging Face folder next to the checkpoint (rank 0 writes; a collective under
+    FSDP), with the tokenizer files of the folder the run started from, so the result loads like the original."""
+    hf_dir = os.path.join(out_dir, "hf")
+    if not all_finite(run.model):
+        raise SystemExit(f"the weights are not all finite: no Hugging Face folder written; {run.ckpt_path} holds the "
+                         f"last finite checkpoint")
+    full_state = get_model_state_dict(run.model, options=_FULL)
+    if run.master:
+        with torch.device("meta"):
+            export = Transformer(run.raw_model.config)
+        export.load_state_dict(full_state, assign=True)
+        export.save_pretrained(hf_dir)
+        byte = run.tok.name == "byte"
+        for name in () if byte else TOKENIZER_FILES:
+            if os.path.exists(os.path.join(run.tok.name, name)):
+                shutil.copy(os.path.join(run.tok.name, name), hf_dir)
+        print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}"
+               + (" (byte-level tokenizer: sample.py uses it by default)" if byte else ""))
+    teardown_distributed()
 
 
 # -----------------------------------------------------------------------------
@@ -287,7 +542,7 @@ class MetricsLogger:
             if not resume and os.path.exists(self.path):
                 os.remove(self.path)  # a fresh run starts a fresh log; a resumed one appends
             if wandb_log:
-                import wandb  # offline with WANDB_MODE=offline, no network needed
+                import wandb  # optional, so imported only when asked for; WANDB_MODE=offline needs no network
                 self.wandb = wandb.init(project=wandb_project, name=run_name, config=config)
 
     def log(self, metrics):
@@ -348,10 +603,6 @@ class Throughput:
                 f"{m['time_ms']:.0f} ms/it")
 
 
-def grad_norm_value(grad_norm):
-    return float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # FSDP2: a DTensor
-
-
 class Timer:
     def __init__(self, device):
         self.device = device
@@ -366,7 +617,6 @@ class Timer:
 
 
 def peak_rss_bytes():
-    import resource
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 

@@ -7,10 +7,19 @@ which applies, in order, every config/*.py file named on the command line and ev
 Only keys the script already defines can be set, and each value must have the type of the script's default
 (an int is accepted where a float is expected; a default of None accepts any value). Anything else is one
 clear error naming the file or argument, the key and the value.
+
+With init_from='resume' the run continues with the config saved in out_dir/ckpt.pt: keys not given again keep
+the run's values, keys given with another value are printed ("overriding learning_rate 1e-05 -> 2e-05"), and
+keys that fix what the run trains on (FIXED_ON_RESUME) cannot change.
 """
 
 import ast
+import os
 import sys
+
+import torch
+
+FIXED_ON_RESUME = ("data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong", "val_fraction")
 
 
 class ConfigError(ValueError):
@@ -39,15 +48,40 @@ def _parse(text):
 
 
 def configure(config, argv=None):
-    """Update the dict `config` (a script's globals()) in place from argv; returns the plain config values.
-    A mistake ends the program with its one-line message (no traceback)."""
+    """Update the dict `config` (a script's globals()) in place from argv, and from the saved config of the run
+    being resumed; returns the plain config values. A mistake ends the program with its one-line message."""
+    given = set()  # keys set by argv: a config file or --key=value
     try:
-        return apply_overrides(config, sys.argv[1:] if argv is None else argv)
+        values = apply_overrides(config, sys.argv[1:] if argv is None else argv, given)
+        if values.get("init_from") == "resume":
+            values = restore_saved(config, values, given)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
+    return values
 
 
-def apply_overrides(config, argv):
+def restore_saved(config, values, given):
+    path = os.path.join(values["out_dir"], "ckpt.pt")
+    if not os.path.exists(path):
+        raise ConfigError(f"init_from='resume' but {path} does not exist; run without init_from='resume' first, "
+                          f"or point out_dir at the run to continue")
+    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]  # mmap: reads only this
+    for key, old in saved.items():
+        if key not in values or key in ("init_from", "out_dir"):  # where the run is now, and that it resumes
+            continue
+        new = values[key]
+        if key not in given or new == old:
+            values[key] = config[key] = old
+        elif key in FIXED_ON_RESUME:
+            raise ConfigError(f"{key}={new!r} differs from the run being resumed ({key}={old!r}), and {key} cannot "
+                              f"change on resume; drop --{key}, or start a new run in another out_dir")
+        elif int(os.environ.get("RANK", 0)) == 0:
+            print(f"resume: overriding {key} {old!r} -> {new!r}", flush=True)
+    return values
+
+
+def apply_overrides(config, argv, given=None):
+    given = set() if given is None else given
     keys = {k: v for k, v in config.items()
             if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))}
     for arg in argv:
@@ -57,6 +91,7 @@ def apply_overrides(config, argv):
             key, text = arg[2:].split("=", 1)
             value = _check(keys, key, _parse(text), f"argument {arg!r}")
             keys[key] = config[key] = value
+            given.add(key)
         else:  # a config file: plain Python assignments
             try:
                 with open(arg) as f:
@@ -70,4 +105,5 @@ def apply_overrides(config, argv):
                     continue
                 value = _check(keys, key, value, f"config file {arg}")
                 keys[key] = config[key] = value
+                given.add(key)
     return keys

@@ -16,7 +16,7 @@ never materialises full logits, Hugging Face checkpoint load/save, FLOPs per tok
 import json
 import math
 import os
-from dataclasses import dataclass, asdict
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -433,28 +433,110 @@ class Transformer(nn.Module):
                 x = block(x, rope, position_ids, cu_seqlens, max_seqlen)
         return self.norm(x)
 
-    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, labels=None, loss_weights=None,
-                logprobs=False):
-        """Without labels: logits (T, vocab_size). With labels (T,), -100 = ignored, un-shifted (position t
-        predicts labels[t+1]): (summed cross-entropy, number of target tokens), without full logits.
-        loss_weights (T,), aligned with labels, weights each target token's loss (e.g. 1/len per sequence).
-        logprobs=True with labels: token_logprobs(...) instead (DPO); called through forward so that the
-        DDP / FSDP2 wrappers' forward hooks run (gradient sync, parameter all-gathers)."""
+    def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, targets=None,
+                loss_weights=None, logprobs=False, logits_at=None):
+        """targets (T,): the token each position must predict, IGNORE (-100) where none (the packer builds
+        them, already shifted and cut at sequence boundaries). Three uses, all through forward so that the
+        DDP / FSDP2 wrappers' hooks run (gradient sync, parameter all-gathers):
+          targets:                 (summed cross-entropy float32, number of targets), without full logits;
+                                   loss_weights (T,) weights each position's loss (e.g. 1/len per sequence)
+          targets, logprobs=True:  (T,) float32 log p(targets[t]) per position, 0 where ignored (DPO)
+          no targets:              logits (T, vocab_size), or only at the rows logits_at (generation)"""
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
+        w, V = self.head_weight(), self.config.vocab_size
+        if targets is None:
+            h = h if logits_at is None else h[logits_at]
+            return F.linear(h, w)[:, :V]
         if logprobs:
-            return self.token_logprobs(input_ids, labels, position_ids, cu_seqlens, max_seqlen)
-        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
-        if labels is None:
-            return F.linear(h, self.head_weight())[:, :self.config.vocab_size]
-        targets = shift_targets(labels, cu_seqlens)
-        weights = None if loss_weights is None else F.pad(loss_weights[1:], (0, 1))
-        return chunked_cross_entropy(h, self.head_weight(), targets, self.config.vocab_size, weights)
+            return chunked_logprobs(h, w, targets, V)
+        return chunked_cross_entropy(h, w, targets, V, loss_weights)
 
-    def token_logprobs(self, input_ids, labels, position_ids=None, cu_seqlens=None, max_seqlen=None):
-        """(T,) float32 log p(labels[t] | earlier tokens of its sequence), 0 where labels == -100.
-        Aligned with labels, so a per-sequence sum is one index_add_ over sequence ids (DPO)."""
-        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
-        logps = chunked_logprobs(h, self.head_weight(), shift_targets(labels, cu_seqlens), self.config.vocab_size)
-        return F.pad(logps[:-1], (1, 0))  # hidden t scored labels[t+1]: move the score onto t+1
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, device="cpu"):
+        """Load a local Hugging Face Llama / Qwen2 / Mistral folder. dtype None keeps the checkpoint's dtype.
+        Every problem with the folder is one ValueError or FileNotFoundError naming the file and what to do."""
+        config = read_hf_config(path)
+        tensors = _load_tensors(path)
+        for key in [k for k in tensors if k.endswith("rotary_emb.inv_freq")]:
+            del tensors[key]  # a buffer old transformers exports hold (per layer or once); RoPE is computed here
+        if config.tie_embeddings and "lm_head.weight" in tensors:  # some exports also write the tied copy
+            head, embed = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+            if embed is not None and not torch.equal(head, embed):
+                raise ValueError(f"{path}: config.json says tie_word_embeddings=true, but the checkpoint's "
+                                 f"'lm_head.weight' differs from 'model.embed_tokens.weight' — set "
+                                 f"tie_word_embeddings to false if the model has its own head, or re-export it")
+        with torch.device("meta"):
+            model = cls(config)
+        state = {}
+        for name, p in model.named_parameters():
+            key = _hf_key(name)
+            if key not in tensors:
+                hint = " (config.json says tie_word_embeddings=false)" if name == "lm_head.weight" else ""
+                raise ValueError(f"{path}: tensor {key!r} missing from the checkpoint{hint} — the weights and "
+                                 f"config.json do not match; re-download or re-export the model")
+            t = tensors.pop(key)
+            vocab_rows = name in ("embed_tokens.weight", "lm_head.weight")
+            want = (config.vocab_size, *p.shape[1:]) if vocab_rows else tuple(p.shape)
+            if tuple(t.shape) != want:
+                raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies {want} "
+                                 f"— the weights and config.json come from different models")
+            if vocab_rows:
+                t = F.pad(t, (0, 0, 0, p.shape[0] - t.shape[0]))  # zero rows up to the padded vocab
+            state[name] = t.to(device=device, dtype=dtype or t.dtype)
+        if tensors:  # weights the model would drop: a bias, a layer or a head this config has no place for
+            raise ValueError(f"{path}: {len(tensors)} tensor(s) in the checkpoint are not used by this "
+                             f"{config.arch} config.json, e.g. {sorted(tensors)[:3]} — the weights belong to "
+                             f"another architecture or config.json is wrong; re-export the model")
+        model.load_state_dict(state, assign=True)
+        return model
+
+    def save_pretrained(self, path, max_shard_bytes=5 * 2**30):
+        """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads."""
+        from safetensors.torch import save_file
+        os.makedirs(path, exist_ok=True)
+        V = self.config.vocab_size
+        tensors = {}
+        for name, p in self.state_dict().items():
+            t = p.detach()
+            if name in ("embed_tokens.weight", "lm_head.weight"):
+                t = t[:V]  # drop the vocab padding
+            tensors[_hf_key(name)] = t.contiguous().cpu()
+        shards, size = [{}], 0
+        for key, t in tensors.items():
+            nbytes = t.numel() * t.element_size()
+            if shards[-1] and size + nbytes > max_shard_bytes:
+                shards.append({})
+                size = 0
+            shards[-1][key] = t
+            size += nbytes
+        written = ["config.json"]
+        if len(shards) == 1:
+            save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+            written.append("model.safetensors")
+        else:
+            weight_map = {}
+            for i, shard in enumerate(shards):
+                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
+                weight_map.update({k: fname for k in shard})
+                written.append(fname)
+            total = sum(t.numel() * t.element_size() for t in tensors.values())
+            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            written.append("model.safetensors.index.json")
+        with open(os.path.join(path, "config.json"), "w") as f:
+            json.dump(config_to_hf(self.config, self.embed_tokens.weight.dtype), f, indent=2)
+        for fname in os.listdir(path):  # a previous export's index or shards would be loaded instead of these
+            stale = fname in ("model.safetensors", "model.safetensors.index.json") or (
+                fname.startswith("model-") and "-of-" in fname and fname.endswith(".safetensors"))
+            if stale and fname not in written:
+                os.remove(os.path.join(path, fname))
+        # save_file creates 0600 files and open() keeps an older file's mode: give every file the mode a
+        # new file gets (0666 less the umask), so others sharing the export can read it
+        umask = os.umask(0)
+        os.umask(umask)
+        for fname in written:
+            os.chmod(os.path.join(path, fname), 0o666 & ~umask)
 
     def flops_per_token(self, seq_lens, head_tokens=None):
         """Training FLOPs (forward + backward) per real token of a packed batch with these sequence lengths.
@@ -470,15 +552,6 @@ class Transformer(nn.Module):
         head_share = 1.0 if head_tokens is None else head_tokens / n_tokens
         attn = 6 * cfg.n_layer * cfg.n_head * cfg.head_dim * float((lens ** 2).sum()) / n_tokens
         return 6 * trunk + 6 * head * head_share + attn
-
-
-def shift_targets(labels, cu_seqlens):
-    """targets[t] = labels[t+1]: what hidden state t must predict. The last position of every sequence
-    predicts nothing, whatever the labels say, so no loss ever crosses a packed boundary."""
-    targets = F.pad(labels[1:], (0, 1), value=-100)
-    if cu_seqlens is not None:
-        targets[cu_seqlens[1:].long() - 1] = -100
-    return targets
 
 
 # -----------------------------------------------------------------------------
@@ -607,12 +680,32 @@ _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral":
 
 
 def config_from_hf(hf, source="config.json"):
-    """Translate a Hugging Face config dict; anything we would silently compute differently is an error."""
+    """Translate a Hugging Face config dict. A missing or mistyped key, or anything we would silently
+    compute differently, is a ValueError naming the file and the key."""
     def unsupported(key, why):
         raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported: {why}")
 
+    def get(key, kind=int, default=None, required=False, within=None):
+        """hf[key] (or hf[within][key]), checked: a string "2" or a bool would otherwise flow into
+        shapes and arithmetic. Numbers must be positive; an int is accepted where a float is expected."""
+        v = (hf if within is None else hf[within]).get(key)
+        name = key if within is None else f"{within}.{key}"
+        if v is None:
+            if required:
+                raise ValueError(f"{source}: required key {name!r} is missing — the file is incomplete; "
+                                 f"re-download the model or add the key")
+            return default
+        if kind is bool:
+            ok = isinstance(v, bool)
+        else:
+            ok = isinstance(v, (int, float) if kind is float else int) and not isinstance(v, bool) and v > 0
+        if not ok:
+            what = "true or false" if kind is bool else f"a positive {kind.__name__}"
+            raise ValueError(f"{source}: {name}={v!r} must be {what} — fix the value in the file")
+        return v
+
     arch = hf.get("model_type")
-    if arch not in _HF_ARCH:
+    if not isinstance(arch, str) or arch not in _HF_ARCH:
         unsupported("model_type", f"nanopack loads {sorted(_HF_ARCH)}")
     if hf.get("hidden_act", "silu") != "silu":
         unsupported("hidden_act", "the MLP is SwiGLU (silu)")
@@ -621,29 +714,42 @@ def config_from_hf(hf, source="config.json"):
     if arch != "qwen2" and hf.get("attention_bias"):
         unsupported("attention_bias", "only Qwen2-style q/k/v biases are implemented (no o_proj bias)")
     # rope: newer transformers write rope_parameters (with rope_theta inside), older rope_theta + rope_scaling
-    rope = dict(hf.get("rope_parameters") or hf.get("rope_scaling") or {})
-    theta = rope.pop("rope_theta", hf.get("rope_theta", 10000.0))
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        unsupported(rope_key, 'expected an object such as {"rope_type": "linear", "factor": 2.0}')
+    theta = get("rope_theta", float, within=rope_key) if rope else None
+    theta = theta or get("rope_theta", float, 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    if kind not in ("default", "linear", "llama3"):
-        unsupported("rope_parameters" if "rope_parameters" in hf else "rope_scaling",
-                    f"rope_type {kind!r} (supported: default, linear, llama3)")
+    needs = {"default": (), "linear": ("factor",),  # the keys rope_inv_freq reads
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    if kind not in needs:
+        unsupported(rope_key, f"rope_type {kind!r} (supported: default, linear, llama3)")
+    for key in needs[kind]:
+        get(key, float, required=True, within=rope_key)
     if rope.get("partial_rotary_factor", 1.0) != 1.0:
         unsupported("partial_rotary_factor", "RoPE rotates the whole head")
-    scaling = None if kind == "default" else {**{k: v for k, v in rope.items() if k != "type"}, "rope_type": kind}
+    scaling = None if kind == "default" else {**{k: v for k, v in rope.items() if k not in ("type", "rope_theta")},
+                                              "rope_type": kind}
+    max_len = get("max_position_embeddings", default=2048)
     window = None
     if arch == "mistral":
-        window = hf.get("sliding_window")
+        window = get("sliding_window")
     elif hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
         unsupported("use_sliding_window", "per-layer sliding windows (Qwen2 max_window_layers) are not implemented")
-    if window is not None and window >= hf.get("max_position_embeddings", 0):
+    if window is not None and window >= max_len:
         window = None  # a window no sequence can exceed changes nothing
-    return ModelConfig(
-        vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=hf["num_attention_heads"],
-        n_kv_head=hf.get("num_key_value_heads") or hf["num_attention_heads"], d_model=hf["hidden_size"],
-        ffn_hidden=hf["intermediate_size"], head_dim=hf.get("head_dim"), rope_theta=float(theta),
-        rope_scaling=scaling, max_seq_len=hf.get("max_position_embeddings", 2048),
-        norm_eps=hf.get("rms_norm_eps", 1e-5), qkv_bias=(arch == "qwen2"),
-        tie_embeddings=bool(hf.get("tie_word_embeddings", False)), sliding_window=window, arch=arch)
+    n_head = get("num_attention_heads", required=True)
+    try:
+        return ModelConfig(
+            vocab_size=get("vocab_size", required=True), n_layer=get("num_hidden_layers", required=True),
+            n_head=n_head, n_kv_head=get("num_key_value_heads", default=n_head),
+            d_model=get("hidden_size", required=True), ffn_hidden=get("intermediate_size", required=True),
+            head_dim=get("head_dim"), rope_theta=float(theta), rope_scaling=scaling, max_seq_len=max_len,
+            norm_eps=get("rms_norm_eps", float, 1e-5), qkv_bias=(arch == "qwen2"),
+            tie_embeddings=get("tie_word_embeddings", bool, False), sliding_window=window, arch=arch)
+    except AssertionError as e:  # ModelConfig's own checks (head counts, even head_dim)
+        raise ValueError(f"{source}: {e} — the values do not describe a valid model") from None
 
 
 def config_to_hf(cfg, dtype):
@@ -666,12 +772,38 @@ def _hf_key(name):
     return name if name.startswith("lm_head.") else "model." + name
 
 
+def read_hf_config(path):
+    """The ModelConfig of a Hugging Face model folder, from its config.json alone (no weights read)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} not found: point to a Hugging Face model folder "
+                                f"(config.json + model.safetensors)")
+    return config_from_hf(_read_json_object(cfg_path), cfg_path)
+
+
+def _read_json_object(path):
+    """json.load that names the file: json's own errors give a line and column but no file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except ValueError as e:  # JSONDecodeError ("... line 3 column 5"), or bytes that are not UTF-8
+        raise ValueError(f"{path}: not valid JSON ({e}) — fix the file or re-download the model") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: holds a JSON {type(obj).__name__}, not an object — fix the file or "
+                         f"re-download the model")
+    return obj
+
+
 def _load_tensors(path):
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
+        weight_map = _read_json_object(index).get("weight_map")
+        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+            raise ValueError(f"{index}: no \"weight_map\" object of tensor name -> shard file — re-download "
+                             f"or re-export the model")
+        files = sorted(set(weight_map.values()))
     elif os.path.exists(os.path.join(path, "model.safetensors")):
         files = ["model.safetensors"]
     else:
@@ -679,72 +811,16 @@ def _load_tensors(path):
                                 f"point to a Hugging Face model folder (pytorch_model.bin is not read: unsafe pickle)")
     tensors = {}
     for f in files:
-        tensors.update(load_file(os.path.join(path, f)))
+        file = os.path.join(path, f)
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"{file} not found, but {index} lists it — the download is incomplete; "
+                                    f"re-download the model")
+        try:
+            tensors.update(load_file(file))
+        except SafetensorError as e:  # e.g. "incomplete metadata, file not fully covered": names no file
+            raise ValueError(f"{file}: incomplete or corrupt safetensors file ({e}) — re-download or "
+                             f"re-export the model") from None
     return tensors
-
-
-@classmethod
-def from_pretrained(cls, path, dtype=None, device="cpu"):
-    """Load a local Hugging Face Llama / Qwen2 / Mistral folder. dtype None keeps the checkpoint's dtype."""
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{cfg_path} not found: point to a Hugging Face model folder")
-    with open(cfg_path) as f:
-        config = config_from_hf(json.load(f), cfg_path)
-    tensors = _load_tensors(path)
-    with torch.device("meta"):
-        model = cls(config)
-    state = {}
-    for name, p in model.named_parameters():
-        key = _hf_key(name)
-        if key not in tensors:
-            raise KeyError(f"{path}: tensor {key!r} missing from the checkpoint")
-        t = tensors[key]
-        if t.shape[0] != p.shape[0] and name in ("embed_tokens.weight", "lm_head.weight"):
-            t = F.pad(t, (0, 0, 0, p.shape[0] - t.shape[0]))  # zero rows up to the padded vocab
-        if t.shape != p.shape:
-            raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies {tuple(p.shape)}")
-        state[name] = t.to(device=device, dtype=dtype or t.dtype)
-    model.load_state_dict(state, assign=True)
-    return model
-
-
-def save_pretrained(self, path, max_shard_bytes=5 * 2**30):
-    """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads."""
-    from safetensors.torch import save_file
-    os.makedirs(path, exist_ok=True)
-    V = self.config.vocab_size
-    tensors = {}
-    for name, p in self.state_dict().items():
-        t = p.detach()
-        if name in ("embed_tokens.weight", "lm_head.weight"):
-            t = t[:V]  # drop the vocab padding
-        tensors[_hf_key(name)] = t.contiguous().cpu()
-    shards, size = [{}], 0
-    for key, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][key] = t
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, shard in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-            weight_map.update({k: fname for k in shard})
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(config_to_hf(self.config, self.embed_tokens.weight.dtype), f, indent=2)
-
-
-Transformer.from_pretrained = from_pretrained
-Transformer.save_pretrained = save_pretrained
 
 
 # -----------------------------------------------------------------------------
@@ -761,11 +837,11 @@ if __name__ == "__main__":
     input_ids = torch.cat(seqs)
     position_ids = torch.cat([torch.arange(n) for n in lens])
     cu_seqlens = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(torch.int32)
-    labels = input_ids.clone()
-    labels[cu_seqlens[:-1].long()] = -100
+    targets = F.pad(input_ids[1:], (0, 1), value=-100)  # position t predicts token t+1 of its own sequence
+    targets[cu_seqlens[1:].long() - 1] = -100
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for step in range(31):
-        loss_sum, n = model(input_ids, position_ids, cu_seqlens, max(lens), labels=labels)
+        loss_sum, n = model(input_ids, position_ids, cu_seqlens, max(lens), targets=targets)
         loss = loss_sum / n
         opt.zero_grad()
         loss.backward()

@@ -10,6 +10,10 @@ Data layout (see data/prepare.py): a dict with
     offsets    (N+1,) int64        example i is ids[offsets[i]:offsets[i+1]]
     loss_mask  (M,) uint8          1 on the tokens the model must learn to produce
 For DPO, example 2*p is the chosen and 2*p+1 the rejected sequence of pair p.
+
+The label shift happens here, once: a batch carries `targets`, where targets[t] is the token position
+t must predict (the next token, if that one is trained and in the same sequence, else IGNORE_INDEX).
+The model scores hidden state t against targets[t] and knows nothing about shifting or boundaries.
 """
 import heapq
 from bisect import bisect_left, insort
@@ -18,7 +22,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import torch
 
-IGNORE_INDEX = -100  # label value that contributes no loss (Hugging Face convention)
+IGNORE_INDEX = -100  # target value that contributes no loss (Hugging Face convention)
 
 
 def pack(lengths, token_budget):
@@ -68,10 +72,10 @@ def pack(lengths, token_budget):
 class PackedBatch:
     """One packed micro-batch: N whole sequences back to back, then optionally a padding tail.
     The padding tail (when pad_to asks for one) is one extra segment: its own cu_seqlens entry,
-    position ids 0.., labels -100 and seq_id == num_sequences, so a per-sequence sum over
+    position ids 0.., targets -100 and seq_id == num_sequences, so a per-sequence sum over
     num_sequences + 1 slots puts it in the last slot, which is dropped."""
     input_ids: torch.Tensor        # (T,) long
-    labels: torch.Tensor           # (T,) long, IGNORE_INDEX where no loss and on each first token
+    targets: torch.Tensor          # (T,) long, the next token where it is trained, else IGNORE_INDEX
     position_ids: torch.Tensor     # (T,) long, restarting at 0 for every sequence
     seq_ids: torch.Tensor          # (T,) long, sequence index 0..N-1 in this micro-batch; tail: N
     cu_seqlens: torch.Tensor       # (N+1,) int32, or (N+2,) with a padding tail; [0]=0, [-1]=T
@@ -81,17 +85,13 @@ class PackedBatch:
     num_sequences: int             # N, real sequences (0 for a filler micro-batch)
     num_pairs: int                 # P = N // 2 for DPO, 0 for SFT
     num_tokens: int                # real tokens (T - num_padding)
-    num_target_tokens: int         # labels != IGNORE_INDEX
+    num_target_tokens: int         # targets != IGNORE_INDEX
     num_padding: int               # positions in the padding tail
 
     def to(self, device, non_blocking=True):
         moved = {k: v.to(device, non_blocking=non_blocking)
                  for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         return replace(self, **moved)
-
-    def pin_memory(self):  # so that .to("cuda", non_blocking=True) really overlaps
-        return replace(self, **{k: v.pin_memory() for k, v in vars(self).items()
-                                if isinstance(v, torch.Tensor)})
 
     def sequence_sums(self, values):
         """values (T,) per token -> (N,) per-sequence sums: one index_add_, no host sync."""
@@ -118,15 +118,16 @@ def make_batch(data, indices, pad_to=None, dpo=False):
         raise ValueError(f"make_batch: {n_tok} tokens do not fit pad_to={pad_to}")
     if n_seq:
         input_ids = np.concatenate([ids[s:e] for s, e in zip(starts, ends)]).astype(np.int64)
-        target = np.concatenate([loss_mask[s:e] for s, e in zip(starts, ends)]) != 0
+        trained = np.concatenate([loss_mask[s:e] for s, e in zip(starts, ends)]) != 0
     else:  # a filler micro-batch (see PackedLoader): no real tokens
-        input_ids, target = np.zeros(0, np.int64), np.zeros(0, bool)
+        input_ids, trained = np.zeros(0, np.int64), np.zeros(0, bool)
     cu = np.zeros(n_seq + 1, dtype=np.int64)
     np.cumsum(seqlens, out=cu[1:])
-    # The first token of a sequence has nothing before it in its own sequence to be predicted from;
-    # -100 there means no loss ever reaches across a packed boundary, whatever the mask says.
-    target[cu[:-1][seqlens > 0]] = False
-    labels = np.where(target, input_ids, IGNORE_INDEX)
+    # Position t predicts token t+1. A sequence's first token has nothing before it in its own sequence,
+    # so it is never a target: no loss ever reaches across a packed boundary, whatever the mask says.
+    trained[cu[:-1][seqlens > 0]] = False
+    targets = np.full(n_tok, IGNORE_INDEX, dtype=np.int64)
+    targets[:-1] = np.where(trained[1:], input_ids[1:], IGNORE_INDEX)
     position_ids = np.arange(n_tok) - np.repeat(cu[:-1], seqlens)
     seq_ids = np.repeat(np.arange(n_seq), seqlens)
     n_pad = 0 if pad_to is None else pad_to - n_tok
@@ -134,18 +135,18 @@ def make_batch(data, indices, pad_to=None, dpo=False):
         n_pad = 1  # a zero-length micro-batch would trip the attention kernels; one dummy token
     if n_pad:  # the tail is a sequence of its own, so attention never mixes it with real tokens
         input_ids = np.concatenate([input_ids, np.zeros(n_pad, np.int64)])
-        labels = np.concatenate([labels, np.full(n_pad, IGNORE_INDEX)])
+        targets = np.concatenate([targets, np.full(n_pad, IGNORE_INDEX)])
         position_ids = np.concatenate([position_ids, np.arange(n_pad)])
         seq_ids = np.concatenate([seq_ids, np.full(n_pad, n_seq)])
         cu = np.append(cu, n_tok + n_pad)
     as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
     return PackedBatch(
-        input_ids=as_long(input_ids), labels=as_long(labels), position_ids=as_long(position_ids),
+        input_ids=as_long(input_ids), targets=as_long(targets), position_ids=as_long(position_ids),
         seq_ids=as_long(seq_ids), cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
         max_seqlen=int(np.diff(cu).max()), example_indices=as_long(examples),
         pair_indices=as_long(pair_indices if dpo else np.zeros(0)), num_sequences=n_seq,
         num_pairs=len(pair_indices) if dpo else 0, num_tokens=n_tok,
-        num_target_tokens=int((labels != IGNORE_INDEX).sum()), num_padding=n_pad)
+        num_target_tokens=int((targets != IGNORE_INDEX).sum()), num_padding=n_pad)
 
 
 @dataclass
@@ -174,7 +175,7 @@ class PackedLoader:
     packs it with best-fit-decreasing into micro-batches of <= microbatch_tokens.
 
     Every rank gets the same number of micro-batches: ranks with fewer (or no examples, when
-    batch_size < world_size) get filler micro-batches with no real tokens and all labels -100,
+    batch_size < world_size) get filler micro-batches with no real tokens and all targets -100,
     because DDP and FSDP collectives hang unless every rank runs as many forward/backward passes.
     The training script runs every micro-batch, syncs gradients on the last one only, and
     divides each micro-batch's summed loss by the step's global count (num_target_tokens for SFT,
@@ -219,7 +220,6 @@ class PackedLoader:
             raise ValueError(f"{n} examples make no full step of batch_size={batch_size}")
         self.epoch, self.step = 0, 0
         self._perm_epoch, self._perm = None, None
-        self._stats = dict(steps=0, microbatches=0, fillers=0, tokens=0, target_tokens=0, padding=0)
 
     def __len__(self):
         return self.steps_per_epoch
@@ -259,26 +259,11 @@ class PackedLoader:
         own = bins[self.rank] + [[]] * (n_micro - len(bins[self.rank]))  # [] = filler
         micro = [make_batch(self.data, b, self.pad_to, self.dpo) for b in own]
         self.step += 1
-        s = self._stats
-        s["steps"] += 1
-        s["microbatches"] += n_micro
-        s["fillers"] += n_micro - len(bins[self.rank])
-        for mb in micro:
-            s["tokens"] += mb.num_tokens
-            s["target_tokens"] += mb.num_target_tokens
-            s["padding"] += mb.num_padding
         return Step(microbatches=micro, num_examples=len(units) * (2 if self.dpo else 1),
                     num_pairs=len(units) if self.dpo else 0, num_tokens=int(self.lengths[units].sum()),
                     num_target_tokens=int(self.targets[units].sum()),
                     rank_tokens=[int(self.lengths[sh].sum()) for sh in shares],
                     epoch=epoch, step=step, state=self.state_dict())
-
-    @property
-    def stats(self):
-        """This rank's cumulative counts; efficiency = real tokens / (micro-batches * budget)."""
-        s = dict(self._stats)
-        s["efficiency"] = s["tokens"] / max(1, s["microbatches"] * self.microbatch_tokens)
-        return s
 
     def state_dict(self):
         return dict(epoch=self.epoch, step=self.step, seed=self.seed, batch_size=self.batch_size,

@@ -16,7 +16,9 @@ import sys
 
 import torch
 
+from configurator import configure
 from model import ModelConfig, Transformer
+from tokenizer import Tokenizer, get_tokenizer
 
 
 @torch.no_grad()
@@ -25,7 +27,7 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k
     """prompts: list of token-id lists. Returns the new tokens of each (the stop token included when hit).
     temperature 0 is greedy decoding. sync_ranks: under FSDP every forward is a collective, so all ranks
     step together until every rank is done (a rank with nothing left runs a one-token dummy forward)."""
-    device = model.head_weight().device
+    device = next(model.parameters()).device
     seqs = [list(p) for p in prompts]
     new = [[] for _ in prompts]
     active = list(range(len(prompts)))
@@ -37,7 +39,7 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k
             if busy.item() == 0:
                 break
             if not active:
-                model.hidden_states(torch.zeros(1, dtype=torch.long, device=device))
+                model(torch.zeros(1, dtype=torch.long, device=device))
                 continue
         elif not active:
             break
@@ -45,8 +47,8 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k
         ids = torch.tensor([t for i in active for t in seqs[i]], device=device)
         pos = torch.cat([torch.arange(n, device=device) for n in lens])
         cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
-        h = model.hidden_states(ids, pos, cu, max(lens))[cu[1:].long() - 1]  # (B, d): each sequence's last token
-        logits = (h @ model.head_weight().t())[:, :model.config.vocab_size].float()
+        # through forward, not the trunk directly, so that FSDP2's root hooks gather the embeddings and head
+        logits = model(ids, pos, cu, max(lens), logits_at=cu[1:].long() - 1).float()  # (B, V): each last token
         if temperature == 0.0:
             next_ids = logits.argmax(-1)
         else:
@@ -66,23 +68,22 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k
 
 
 def load_model(path, device):
-    """A Hugging Face folder (config.json) or one of our training checkpoints (ckpt.pt)."""
+    """A Hugging Face folder (config.json) or one of our training checkpoints (ckpt.pt) -> (model, tokenizer):
+    the folder's tokenizer files, or the tokenizer the checkpoint's run trained with."""
     if os.path.isdir(path):
-        return Transformer.from_pretrained(path, dtype=torch.float32, device=device)
+        tok = Tokenizer.from_dir(path) if Tokenizer.has_files(path) else Tokenizer.byte_level()
+        return Transformer.from_pretrained(path, dtype=torch.float32, device=device), tok
     if not os.path.exists(path):
         sys.exit(f"sample.py: {path} does not exist; pass --model=<Hugging Face folder or ckpt.pt>")
-    ckpt = torch.load(path, map_location=device, weights_only=True)
+    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the optimizer state stays on disk
     model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.load_state_dict(ckpt["model"])
-    return model.to(device)
+    return model.to(device), get_tokenizer(ckpt["tokenizer"])
 
 
 if __name__ == "__main__":
-    from configurator import configure
-    from tokenizer import Tokenizer
-
     model = "out/sft/hf"  # a Hugging Face folder or a ckpt.pt
-    tokenizer = ""  # folder with tokenizer files; default: the model's folder, else the built-in byte tokenizer
+    tokenizer = ""  # 'byte' or a folder with tokenizer files; default: the model's (see load_model)
     prompt = ""  # one user message; empty: interactive chat
     system = ""
     max_new_tokens = 256
@@ -94,9 +95,9 @@ if __name__ == "__main__":
     configure(globals())
 
     torch.manual_seed(seed)
-    net = load_model(model, device).eval()
-    tok_dir = tokenizer or (model if os.path.isdir(model) else os.path.dirname(model))
-    tok = Tokenizer.from_dir(tok_dir) if tok_dir and Tokenizer.has_files(tok_dir) else Tokenizer.byte_level()
+    net, tok = load_model(model, device)
+    net.eval()
+    tok = get_tokenizer(tokenizer) if tokenizer else tok
     messages = [{"role": "system", "content": system}] if system else []
 
     def reply(messages):

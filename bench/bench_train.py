@@ -142,7 +142,7 @@ def padded_batch(data, units, dpo):
     idx = (np.arange(n)[:, None] * L + np.arange(L)[None, :])[np.arange(L)[None, :] < lens[:, None]]
     grid = lambda fill, src: torch.full((n * L,), fill, dtype=torch.long).index_copy_(0, torch.from_numpy(idx), src)
     return PackedBatch(
-        input_ids=grid(0, mb.input_ids), labels=grid(IGNORE_INDEX, mb.labels),
+        input_ids=grid(0, mb.input_ids), targets=grid(IGNORE_INDEX, mb.targets),
         position_ids=torch.arange(L).repeat(n), seq_ids=torch.arange(n).repeat_interleave(L),
         cu_seqlens=torch.arange(0, n * L + 1, L, dtype=torch.int32), max_seqlen=L,
         example_indices=mb.example_indices, pair_indices=mb.pair_indices, num_sequences=n, num_pairs=mb.num_pairs,
@@ -220,19 +220,18 @@ def run_config(name, args):
         return out
 
     def forward(mb, lens):
-        """SFT: summed token loss. DPO: (T,) token log-probs aligned with mb.labels (0 where ignored)."""
+        """SFT: summed token loss. DPO: (T,) log-probs of mb.targets per predicting position (0 where ignored)."""
         if name != "hf":
-            out = net(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, labels=mb.labels, logprobs=dpo)
+            out = net(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets, logprobs=dpo)
             return out if dpo else out[0]
         n, L = mb.num_sequences, mb.max_seqlen
-        ids, labels = mb.input_ids.view(n, L), mb.labels.view(n, L)
+        ids, targets = mb.input_ids.view(n, L), mb.targets.view(n, L)
         mask = torch.arange(L, device=device)[None, :] < torch.as_tensor(lens, device=device)[:, None]
-        logits = net(input_ids=ids, attention_mask=mask.long()).logits[:, :-1].float()  # (n, L-1, V)
-        targets = labels[:, 1:]
+        logits = net(input_ids=ids, attention_mask=mask.long()).logits.float()  # (n, L, V)
         if not dpo:
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum")
         logp = torch.log_softmax(logits, -1).gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
-        return F.pad(logp * (targets != -100), (1, 0)).reshape(-1)
+        return (logp * (targets != -100)).reshape(-1)
 
     def microbatch_loss(mb, lens, normaliser, ref):
         with autocast:

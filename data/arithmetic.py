@@ -18,7 +18,7 @@ on a laptop CPU.
 
 DPO pairs: the prompt is a conversation up to its last question; chosen is the right answer,
 rejected a plausible wrong one (off by one, last two digits swapped, or the wrong operation).
-Accuracy: val_problems() gives (prompt messages, answer); score(answer, reply) checks a reply.
+Accuracy: accuracy() answers the first val prompts greedily and checks each reply with score().
 
     python data/arithmetic.py    # print a few examples
 """
@@ -29,8 +29,12 @@ import re
 import sys
 import zlib
 
+import torch
+import torch.distributed as dist
+
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python data/arithmetic.py
 from data.prepare import write_token_files  # noqa: E402
+from sample import generate  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
 VERSION = "arithmetic-v3"  # part of the cache key: bump it when the generator changes
@@ -55,9 +59,8 @@ def is_val(messages):
 
 
 def draw_problem(rng, prev):
-    """-> (a, op, b, follow_up) from the wanted split; a follow-up continues from the previous answer.
-    The ranges below set the difficulty: small enough that the ~2.5M-parameter toy model learns the
-    task (not a memorised table: val problems are never trained on) in minutes on a laptop CPU."""
+    """-> (a, op, b, follow_up); a follow-up continues from the previous answer. The ranges at the top set
+    the difficulty: a table small enough for the ~1.1M-parameter toy model to learn in minutes on a CPU."""
     while True:
         op = rng.choice("+-*")
         follow_up = prev is not None and rng.random() < 0.4 and (op != "*" or prev <= MAX_FOLLOW_MUL)
@@ -130,6 +133,23 @@ def score(answer, reply):
     """Exact match: the first number after the reply's last '=' (or in the reply, if none) is the answer."""
     numbers = re.findall(r"-?\d+", reply.rsplit("=", 1)[-1])
     return bool(numbers) and int(numbers[0]) == answer
+
+
+@torch.no_grad()
+def accuracy(model, tok, n, autocast, sync_ranks):
+    """Held-out exact match: the first n val prompts answered greedily, split over ranks; the same fraction on
+    every rank. model: the network itself (FSDP2 modules gather their shards when called); sync_ranks under FSDP."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    problems = val_problems(n)[rank::world_size]
+    with autocast:
+        replies = generate(model, [tok.render_prompt(p) for p, _ in problems], max_new_tokens=16,
+                           stop_ids=tok.stop_ids, sync_ranks=sync_ranks)
+    texts = [tok.decode([t for t in r if t not in tok.stop_ids]) for r in replies]
+    counts = torch.tensor([sum(score(ans, t) for (_, ans), t in zip(problems, texts)), len(problems)],
+                          dtype=torch.float64, device=next(model.parameters()).device)
+    if dist.is_initialized():
+        dist.all_reduce(counts)
+    return (counts[0] / counts[1]).item()
 
 
 def prepare_builtin(out_dir, tokenizer="byte", kind="sft", n_train=20_000, n_val=500, seed=0, verbose=True):

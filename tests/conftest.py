@@ -1,4 +1,8 @@
+import json
+import os
 import random
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -15,3 +19,46 @@ def seed_everything():
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def next_token_targets(ids, cu_seqlens):
+    """What packing.make_batch builds with every token trained: position t predicts token t+1 of its own
+    sequence; a sequence's last position predicts nothing (-100)."""
+    targets = torch.nn.functional.pad(ids[1:], (0, 1), value=-100)
+    targets[cu_seqlens[1:].long() - 1] = -100
+    return targets
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_script(script, args, nproc=1, check=True, timeout=600):
+    """A training script as users launch it: plain python, or torchrun with nproc processes (gloo on CPU)."""
+    launcher = [sys.executable] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run(launcher + [script, *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def as_args(**cfg):
+    return [f"--{k}={v}" for k, v in cfg.items()]
+
+
+def builtin_data(folder, kind, n_train, n_val):
+    """The built-in arithmetic data (chats or preference pairs), small, tokenized with the byte tokenizer."""
+    from data.arithmetic import prepare_builtin
+    prepare_builtin(str(folder), "byte", kind=kind, n_train=n_train, n_val=n_val, verbose=False)
+    return str(folder)
+
+
+def step_metrics(out_dir):
+    """The per-step lines of a run's metrics.jsonl (evaluation lines left out)."""
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [m for m in map(json.loads, f) if "loss" in m]
+
+
+def checkpoint_weights(out_dir):
+    return torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)["model"]

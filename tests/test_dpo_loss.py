@@ -1,40 +1,17 @@
-"""The DPO loss of train_dpo.py, without running the script: each loss type against numbers worked out by hand,
-reward accuracy per pair, and packed == padded for the per-sequence log-probs, the loss and the gradients.
+"""dpo.py without running train_dpo.py: each loss type against numbers worked out by hand, reward accuracy per
+pair, response lengths, and packed == padded for the per-sequence log-probs, the loss and the gradients."""
 
-train_dpo.py is module-level code (it trains when imported, nanoGPT style), so its two pure functions, dpo_loss
-and pair_stats, are lifted out of the file's syntax tree and run here on their own.
-"""
-
-import ast
 import math
-import os
-import sys
 
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-
-import model as model_module  # noqa: E402
-from model import Transformer, config_from_preset  # noqa: E402
-from packing import make_batch  # noqa: E402
-
-
-def script_functions(*names):
-    path = os.path.join(ROOT, "train_dpo.py")
-    with open(path) as f:
-        tree = ast.parse(f.read())
-    nodes = [node for node in tree.body if isinstance(node, ast.FunctionDef) and node.name in names]
-    assert len(nodes) == len(names), f"train_dpo.py lacks one of {names}"
-    namespace = {"torch": torch, "F": F}
-    exec(compile(ast.Module(body=nodes, type_ignores=[]), path, "exec"), namespace)
-    return [namespace[name] for name in names]
-
-
-dpo_loss, pair_stats = script_functions("dpo_loss", "pair_stats")
+import model as model_module
+from dpo import dpo_loss, pair_stats, response_lengths
+from model import Transformer, config_from_preset
+from packing import make_batch
 
 # Two pairs of fixed sequence log-prob sums, and response lengths in tokens.
 PC, PR = [-10.0, -20.0], [-12.0, -18.0]  # policy chosen, rejected
@@ -151,13 +128,14 @@ def test_packed_equals_padded_logps_loss_and_gradients(monkeypatch, pad_to):
     ref = torch.randn(len(pairs), 2) - 30.0  # any fixed reference log-probs
     lengths = torch.tensor([[float(data["loss_mask"][data["offsets"][e]:data["offsets"][e + 1]][1:].sum())
                              for e in (2 * p, 2 * p + 1)] for p in pairs])
+    assert torch.equal(response_lengths(data, "cpu")[pairs], lengths)  # what train_dpo.py divides by
 
     def loss_from(pc, pr):
         losses, _, _ = dpo_loss(pc, pr, ref[:, 0], ref[:, 1], lengths[:, 0], lengths[:, 1], "sigmoid", 0.1, 0.1)
         return losses.mean()
 
     # packed: one forward over the whole micro-batch, per-sequence sums by index_add_ over sequence ids
-    logps = net(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, labels=mb.labels, logprobs=True)
+    logps = net(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets, logprobs=True)
     pc, pr = mb.pair_sums(logps)
     packed_loss = loss_from(pc, pr)
     packed_loss.backward()

@@ -7,14 +7,17 @@ through a few layers; the issue fixes 1e-4 for the Hugging Face comparison and w
 
 import json
 import os
+import re
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 import model as M
 from model import ModelConfig, Transformer
-from conftest import cuda
+from conftest import cuda, next_token_targets
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,7 +91,7 @@ def test_hf_logits_match_and_round_trip(kind, tmp_path):
 
 
 def test_hf_loss_matches(tmp_path):
-    """model(labels=...) sums the same token cross-entropy that Hugging Face averages."""
+    """model(targets=...) sums the same token cross-entropy that Hugging Face averages over its shifted labels."""
     ref = hf_model("llama")
     ref.save_pretrained(tmp_path)
     ours = Transformer.from_pretrained(str(tmp_path))
@@ -97,7 +100,7 @@ def test_hf_loss_matches(tmp_path):
     labels[:10] = -100  # a prompt
     with torch.no_grad():
         hf_loss = ref(ids[None], labels=labels[None]).loss
-        loss_sum, n = ours(ids, labels=labels)
+        loss_sum, n = ours(ids, targets=F.pad(labels[1:], (0, 1), value=-100))
     assert n.item() == 30  # labels 10..39, each predicted from the position before it
     torch.testing.assert_close(loss_sum / n, hf_loss, atol=1e-5, rtol=0)
 
@@ -132,6 +135,149 @@ def test_linear_rope_scaling_matches_hf(tmp_path):
     ids = torch.randint(0, 203, (50,))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), ref(ids[None]).logits[0], atol=1e-4, rtol=0)
+
+
+# -----------------------------------------------------------------------------
+# a broken model folder: one ValueError / FileNotFoundError naming the file, the key or tensor, and the fix
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama")
+    hf_model("llama").save_pretrained(path)
+    return path
+
+
+CONFIG_MISTAKES = {  # name -> (edit of a transformers-written config.json, what the message must say)
+    "missing key": (lambda hf: hf.pop("num_hidden_layers"),
+                    "required key 'num_hidden_layers' is missing — the file is incomplete"),
+    "string number": (lambda hf: hf.update(num_hidden_layers="2"), "num_hidden_layers='2' must be a positive int"),
+    "float for an int": (lambda hf: hf.update(hidden_size=64.0), "hidden_size=64.0 must be a positive int"),
+    "string bool": (lambda hf: hf.update(tie_word_embeddings="false"),
+                    "tie_word_embeddings='false' must be true or false"),
+    "rope key missing": (lambda hf: hf["rope_parameters"].pop("low_freq_factor"),
+                         "required key 'rope_parameters.low_freq_factor' is missing"),
+    "head counts": (lambda hf: hf.update(num_key_value_heads=3), "n_head=4 must be a multiple of n_kv_head=3"),
+}
+
+
+@pytest.mark.parametrize("case", CONFIG_MISTAKES)
+def test_bad_config_json_names_the_file_and_key(llama_dir, tmp_path, case):
+    edit, message = CONFIG_MISTAKES[case]
+    hf = json.loads((llama_dir / "config.json").read_text())
+    edit(hf)
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'}: {message}")):
+        Transformer.from_pretrained(str(tmp_path))
+
+
+def test_missing_or_unparsable_config_json(tmp_path):
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'config.json'} not found")):
+        Transformer.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text('{\n  "model_type": "llama",\n  "vocab_size": 203,,\n}')
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'}: not valid JSON (") + r".*line 3 column 21"):  # the 2nd comma
+        Transformer.from_pretrained(str(tmp_path))
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"config\.json: holds a JSON list, not an object"):
+        Transformer.from_pretrained(str(tmp_path))
+
+
+def test_truncated_safetensors_and_missing_shard_are_named(llama_dir, tmp_path):
+    shutil.copytree(llama_dir, tmp_path / "cut")
+    file = tmp_path / "cut" / "model.safetensors"
+    file.write_bytes(file.read_bytes()[:file.stat().st_size // 2])  # an interrupted download
+    with pytest.raises(ValueError, match=re.escape(f"{file}: incomplete or corrupt safetensors file (") +
+                       r".* — re-download or re-export the model"):
+        Transformer.from_pretrained(str(tmp_path / "cut"))
+    tiny().save_pretrained(str(tmp_path / "sharded"), max_shard_bytes=20_000)
+    shard = tmp_path / "sharded" / "model-00002-of-00007.safetensors"
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=re.escape(f"{shard} not found, but ") +
+                       r".*model\.safetensors\.index\.json lists it"):
+        Transformer.from_pretrained(str(tmp_path / "sharded"))
+
+
+def edited_checkpoint(src, dst, edit_tensors=None, edit_config=None):
+    """A copy of the folder src with its tensors and/or config.json changed in place."""
+    shutil.copytree(src, dst)
+    if edit_tensors:
+        tensors = load_file(dst / "model.safetensors")
+        edit_tensors(tensors)
+        save_file(tensors, dst / "model.safetensors", metadata={"format": "pt"})
+    if edit_config:
+        hf = json.loads((dst / "config.json").read_text())
+        edit_config(hf)
+        (dst / "config.json").write_text(json.dumps(hf))
+    return str(dst)
+
+
+def test_stray_tensors_are_an_error(llama_dir, tmp_path):
+    d = 64  # hidden_size
+    bias = edited_checkpoint(llama_dir, tmp_path / "bias", lambda t: t.update(
+        {f"model.layers.{i}.self_attn.o_proj.bias": torch.zeros(d) for i in range(2)}))
+    with pytest.raises(ValueError, match=re.escape(
+            f"{bias}: 2 tensor(s) in the checkpoint are not used by this llama config.json, e.g. "
+            f"['model.layers.0.self_attn.o_proj.bias', 'model.layers.1.self_attn.o_proj.bias'] — ")):
+        Transformer.from_pretrained(bias)
+    extra = edited_checkpoint(llama_dir, tmp_path / "extra", lambda t: t.update(
+        {f"model.layers.{i}.adapter.weight": torch.zeros(2) for i in range(5)}))
+    with pytest.raises(ValueError, match=re.escape("5 tensor(s)") + r".*e\.g\. \['model\.layers\.0\.adapter\.weight', "
+                       r"'model\.layers\.1\.adapter\.weight', 'model\.layers\.2\.adapter\.weight'\] — "):
+        Transformer.from_pretrained(extra)
+    # the embedding has as many rows as vocab_size says, no more and no fewer (the padding is ours to add)
+    rows = edited_checkpoint(llama_dir, tmp_path / "rows", edit_config=lambda hf: hf.update(vocab_size=250))
+    with pytest.raises(ValueError, match=re.escape(
+            f"{rows}: tensor 'model.embed_tokens.weight' has shape (203, 64), config.json implies (250, 64)")):
+        Transformer.from_pretrained(rows)
+    # a separate head that is missing
+    no_head = edited_checkpoint(llama_dir, tmp_path / "no_head", lambda t: t.pop("lm_head.weight"))
+    with pytest.raises(ValueError, match=re.escape(
+            f"{no_head}: tensor 'lm_head.weight' missing from the checkpoint (config.json says tie_word_embeddings=false)")):
+        Transformer.from_pretrained(no_head)
+
+
+def test_harmless_extras_load(llama_dir, tmp_path):
+    """Old transformers exports hold rotary inv_freq buffers, and tied models may hold a copy of the head."""
+    ids = torch.randint(0, 203, (20,))
+    with torch.no_grad():
+        expected = Transformer.from_pretrained(str(llama_dir))(ids)
+    old = edited_checkpoint(llama_dir, tmp_path / "old", lambda t: t.update({
+        "model.rotary_emb.inv_freq": torch.ones(8), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
+    with torch.no_grad():
+        assert torch.equal(Transformer.from_pretrained(old)(ids), expected)
+
+    hf_model("qwen2").save_pretrained(tmp_path / "qwen2")  # tied: transformers writes no lm_head.weight
+    with torch.no_grad():
+        expected = Transformer.from_pretrained(str(tmp_path / "qwen2"))(ids)
+    copy = edited_checkpoint(tmp_path / "qwen2", tmp_path / "copy",
+                             lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
+    with torch.no_grad():
+        assert torch.equal(Transformer.from_pretrained(copy)(ids), expected)
+    differs = edited_checkpoint(tmp_path / "qwen2", tmp_path / "differs",
+                                lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}))
+    with pytest.raises(ValueError, match=re.escape(
+            f"{differs}: config.json says tie_word_embeddings=true, but the checkpoint's 'lm_head.weight' "
+            f"differs from 'model.embed_tokens.weight'")):
+        Transformer.from_pretrained(differs)
+
+
+def test_export_is_readable_by_others_and_replaces_an_older_export(tmp_path):
+    old_umask = os.umask(0o022)
+    try:
+        first = tiny()
+        first.save_pretrained(str(tmp_path), max_shard_bytes=20_000)  # 7 shards + index
+        files = os.listdir(tmp_path)
+        assert len(files) == 9 and all(os.stat(tmp_path / f).st_mode & 0o777 == 0o644 for f in files)
+        os.umask(0o027)  # the mode follows the umask, also for files that already exist
+        second = tiny()
+        second.save_pretrained(str(tmp_path))
+    finally:
+        os.umask(old_umask)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]  # no stale index or shards
+    assert all(os.stat(tmp_path / f).st_mode & 0o777 == 0o640 for f in os.listdir(tmp_path))
+    loaded = Transformer.from_pretrained(str(tmp_path))
+    for name, p in loaded.named_parameters():  # the second model's weights (the vocab padding is not saved)
+        assert torch.equal(p[:100], second.get_parameter(name)[:100])
 
 
 # -----------------------------------------------------------------------------
@@ -194,13 +340,16 @@ def test_changing_a_token_leaves_other_sequences_untouched():
             assert not torch.allclose(after[s:e], before[s:e])  # and the change did reach its own sequence
 
 
-def test_loss_never_crosses_a_boundary():
-    """Even with labels on every position (against the convention), the last token of a sequence
-    predicts nothing: the packed loss equals the sum of per-sequence losses."""
+def test_packed_loss_equals_the_sum_of_sequence_losses():
+    """With every token trained, the packer's targets make the packed loss exactly the per-sequence losses:
+    the last token of a sequence predicts nothing, so no loss crosses a boundary."""
+    from packing import make_batch
     model = tiny()
     ids, pos, cu, maxlen = packed_inputs(LENS, 100)
+    data = dict(ids=ids.numpy(), offsets=cu.long().numpy(), loss_mask=torch.ones_like(ids).numpy())
+    mb = make_batch(data, list(range(len(LENS))))
     with torch.no_grad():
-        loss_sum, n = model(ids, pos, cu, maxlen, labels=ids)
+        loss_sum, n = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets)
         ref, count, s = 0.0, 0, 0
         for L in LENS:
             logits = model(ids[s:s + L])
@@ -271,27 +420,27 @@ def test_vocab_padding_does_not_change_results(small_chunks):
     assert model.config.padded_vocab_size == 128
     ids, pos, cu, maxlen = packed_inputs(LENS, 90)
     with torch.no_grad():
-        before = model(ids, pos, cu, maxlen, labels=ids)[0]
+        before = model(ids, pos, cu, maxlen, targets=next_token_targets(ids, cu))[0]
         logits_before = model(ids, pos, cu, maxlen)
         model.head_weight()[90:] = 100.0
-        after = model(ids, pos, cu, maxlen, labels=ids)[0]
+        after = model(ids, pos, cu, maxlen, targets=next_token_targets(ids, cu))[0]
         logits_after = model(ids, pos, cu, maxlen)
     assert logits_after.shape[-1] == 90
     assert torch.equal(before, after) and torch.equal(logits_before, logits_after)
 
 
-def test_token_logprobs_align_with_labels():
+def test_logprobs_are_scored_at_the_predicting_position():
     model = tiny()
     ids, pos, cu, maxlen = packed_inputs(LENS, 100)
-    labels = ids.clone()
-    labels[cu[:-1].long()] = -100  # packer convention: nothing predicts a sequence's first token
+    targets = next_token_targets(ids, cu)
     with torch.no_grad():
-        lp = model.token_logprobs(ids, labels, pos, cu, maxlen)
+        lp = model(ids, pos, cu, maxlen, targets=targets, logprobs=True)
         full = torch.log_softmax(model(ids, pos, cu, maxlen), -1)
-    for t in range(1, len(ids)):
-        expected = 0.0 if labels[t] == -100 else full[t - 1, labels[t]].item()
+        last = model(ids, pos, cu, maxlen, logits_at=cu[1:].long() - 1)  # generation: each sequence's last row
+    for t in range(len(ids)):
+        expected = 0.0 if targets[t] == -100 else full[t, targets[t]].item()
         assert abs(lp[t].item() - expected) < 1e-5
-    assert lp[0].item() == 0.0
+    torch.testing.assert_close(torch.log_softmax(last, -1), full[cu[1:].long() - 1], atol=1e-6, rtol=0)
 
 
 def test_autocast_bf16_head_is_close():
@@ -352,7 +501,7 @@ def test_toy_preset_learns_from_scratch():
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for _ in range(25):
-        loss_sum, n = model(ids, pos, cu, max(lens), labels=ids)
+        loss_sum, n = model(ids, pos, cu, max(lens), targets=next_token_targets(ids, cu))
         loss = loss_sum / n
         opt.zero_grad()
         loss.backward()
@@ -368,7 +517,7 @@ def test_activation_checkpointing_gives_the_same_gradients():
     grads = []
     for flag in (False, True):
         model.activation_checkpointing = flag
-        loss, n = model(ids, pos, cu, maxlen, labels=ids)
+        loss, n = model(ids, pos, cu, maxlen, targets=next_token_targets(ids, cu))
         grads.append(torch.autograd.grad(loss, list(model.parameters())))
     for a, b in zip(*grads):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)  # same ops recomputed: rounding-level only

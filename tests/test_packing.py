@@ -132,19 +132,20 @@ def test_make_batch_fields():
                 loss_mask=np.array([1, 0, 1, 1, 0, 1, 1, 0], np.uint8))
     mb = make_batch(data, [2, 0, 1])
     assert mb.input_ids.tolist() == [30, 31, 32, 33, 10, 11, 12, 20]
-    # -100 where the mask is 0 AND on each first token (10 and 20 have mask 1 but start a sequence)
-    assert mb.labels.tolist() == [-100, 31, 32, -100, -100, -100, 12, -100]
+    # position t predicts token t+1 of its own sequence where that token is trained: -100 where the next
+    # token's mask is 0 and at each sequence's last token (10 and 20 have mask 1 but start a sequence)
+    assert mb.targets.tolist() == [31, 32, -100, -100, -100, 12, -100, -100]
     assert mb.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
     assert mb.seq_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 2]
     assert mb.cu_seqlens.tolist() == [0, 4, 7, 8] and mb.cu_seqlens.dtype == torch.int32
     assert mb.max_seqlen == 4 and mb.example_indices.tolist() == [2, 0, 1]
     assert (mb.num_sequences, mb.num_tokens, mb.num_target_tokens, mb.num_padding) == (3, 8, 3, 0)
-    for t in (mb.input_ids, mb.labels, mb.position_ids, mb.seq_ids):
+    for t in (mb.input_ids, mb.targets, mb.position_ids, mb.seq_ids):
         assert t.dtype == torch.long and t.shape == (8,)
 
     padded = make_batch(data, [2, 0, 1], pad_to=13)  # a dummy tail segment of 5
     assert padded.input_ids.shape == (13,) and padded.input_ids[:8].tolist() == mb.input_ids.tolist()
-    assert padded.labels[8:].tolist() == [IGNORE_INDEX] * 5
+    assert padded.targets[7:].tolist() == [IGNORE_INDEX] * 6
     assert padded.position_ids[8:].tolist() == [0, 1, 2, 3, 4]
     assert padded.seq_ids[8:].tolist() == [3] * 5  # seq_id == num_sequences marks the tail
     assert padded.cu_seqlens.tolist() == [0, 4, 7, 8, 13]
@@ -173,18 +174,17 @@ def test_dpo_offsets_and_pair_sums(pad_to):
     for j, e in enumerate(mb.example_indices.tolist()):
         segment = mb.input_ids[cu[j]:cu[j + 1]].numpy()
         assert np.array_equal(segment, data["ids"][offsets[e]:offsets[e + 1]])
-    # A per-token vector (think log-probs, 0 where labels == -100) summed per sequence with one
+    # A per-token vector (think log-probs, 0 where targets == -100) summed per sequence with one
     # index_add over seq_ids equals the sums taken example by example from the raw arrays.
     per_token = torch.from_numpy(rng.standard_normal(len(mb.input_ids)).astype(np.float32))
-    per_token = torch.where(mb.labels != IGNORE_INDEX, per_token, 0.0)
+    per_token = torch.where(mb.targets != IGNORE_INDEX, per_token, 0.0)
     chosen, rejected = mb.pair_sums(per_token)
     for j, p in enumerate(pairs.tolist()):
         for e, got in ((2 * p, chosen[j]), (2 * p + 1, rejected[j])):
             k = mb.example_indices.tolist().index(e)  # where example e sits in the micro-batch
             start, n = cu[k], offsets[e + 1] - offsets[e]
-            mask = data["loss_mask"][offsets[e]:offsets[e + 1]].astype(bool)
-            mask[0] = False
-            expected = per_token[start:start + n][torch.from_numpy(mask)].sum()
+            trained = data["loss_mask"][offsets[e] + 1:offsets[e + 1]].astype(bool)  # tokens 1.., predicted by 0..
+            expected = per_token[start:start + n - 1][torch.from_numpy(trained)].sum()
             assert torch.allclose(got, expected, atol=1e-5), (p, e)
     # mapping: the first sequence of pair j is the chosen one (example 2p), its rejected follows
     assert mb.example_indices.view(-1, 2)[:, 0].tolist() == (2 * pairs).tolist()
@@ -276,7 +276,7 @@ def test_loader_more_ranks_than_examples_gets_fillers():
         fillers = [s.microbatches[0] for s in st if s.microbatches[0].num_sequences == 0]
         assert len(fillers) == 4 - st[0].num_examples
         for f in fillers:  # no real tokens, nothing to learn, one segment
-            assert f.num_tokens == 0 and (f.labels == IGNORE_INDEX).all() and f.cu_seqlens.tolist() == [0, 1]
+            assert f.num_tokens == 0 and (f.targets == IGNORE_INDEX).all() and f.cu_seqlens.tolist() == [0, 1]
             assert f.sequence_sums(torch.ones(1)).shape == (0,)
     assert sorted(e for st in steps for e in step_examples(st)) == [0, 1, 2, 3, 4]  # steps of 2, 2, 1
 
@@ -298,14 +298,13 @@ def test_loader_dpo_keeps_pairs_together():
     assert sorted(seen) == list(range(50))
 
 
-def test_loader_stats():
+def test_loader_counts_and_padding():
     lengths = lognormal_lengths(64, 1024, seed=10, median=100, p99=800)
     loader = PackedLoader(make_sft_data(lengths), batch_size=64, microbatch_tokens=1024, pad_to=1024)
     st = next(loader)
-    s = loader.stats
-    assert s["tokens"] == lengths.sum() and s["microbatches"] == len(st.microbatches)
-    assert s["padding"] == s["microbatches"] * 1024 - s["tokens"]
-    assert s["efficiency"] == pytest.approx(lengths.sum() / (len(st.microbatches) * 1024))
+    assert st.num_tokens == sum(mb.num_tokens for mb in st.microbatches) == lengths.sum()
+    assert st.num_target_tokens == sum(mb.num_target_tokens for mb in st.microbatches)
+    assert all(mb.num_tokens + mb.num_padding == 1024 for mb in st.microbatches)
 
 
 def test_loader_rejects_too_long_example():

@@ -31,3 +31,21 @@ def test_sampling_is_seeded_and_respects_top_k():
     with torch.no_grad():
         top5 = set(model(torch.tensor([1, 2]))[-1].topk(5).indices.tolist())
     assert runs[0][0][0] in top5
+
+
+def test_a_checkpoint_brings_its_own_tokenizer(tmp_path):
+    """sample.py --model=out/x/ckpt.pt talks with the tokenizer the run trained with (it used to fall back to the
+    byte tokenizer)."""
+    from dataclasses import asdict
+    from test_tokenizer import PRE_TOKENIZERS, train_hf
+
+    from sample import load_model
+    pre, _ = PRE_TOKENIZERS["gpt2"]
+    _, folder = train_hf(tmp_path, "tok", pre(), merges=100)
+    model = Transformer(ModelConfig(vocab_size=400, n_layer=1, n_head=2, d_model=16, ffn_hidden=32, max_seq_len=64))
+    torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), tokenizer=str(folder),
+                    optimizer={}), tmp_path / "ckpt.pt")
+    loaded, tok = load_model(str(tmp_path / "ckpt.pt"), "cpu")
+    assert tok.name == str(folder) and tok.vocab_size > 256  # the trained BPE, not the 261-token byte tokenizer
+    for k, v in model.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v)

@@ -9,14 +9,11 @@ parameters after a few AdamW steps to 1e-4 absolute.
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from conftest import ROOT, as_args, builtin_data, checkpoint_weights, run_script, step_metrics
 
 STEP_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
                 "logps_rejected")
@@ -24,32 +21,22 @@ STEP_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-    from data.arithmetic import prepare_builtin
-    out = str(tmp_path_factory.mktemp("data") / "pairs")
-    prepare_builtin(out, "byte", kind="dpo", n_train=96, n_val=16, verbose=False)
-    return out
+    return builtin_data(tmp_path_factory.mktemp("data") / "pairs", "dpo", n_train=96, n_val=16)
 
 
 def run(args, nproc=1, check=True):
-    launcher = [sys.executable] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run(launcher + ["train_dpo.py", *args], cwd=ROOT, capture_output=True, text=True,
-                         timeout=600, env=env)
-    if check:
-        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    return out
+    return run_script("train_dpo.py", args, nproc, check)
 
 
 def common_args(out_dir, data, **kw):
     # A high learning rate and beta so that a few steps move the rewards well away from zero; a constant learning
     # rate so that a run cut short and resumed has the same schedule as one straight run; label smoothing and an
     # SFT term so that both of their normalisations are checked too.
-    cfg = dict(out_dir=out_dir, data=data, init_from="scratch", model="tiny", batch_size=16, microbatch_tokens=8192,
+    cfg = dict(out_dir=out_dir, data=data, init_from="scratch", preset="tiny", batch_size=16, microbatch_tokens=8192,
                max_iters=5, learning_rate=1e-2, min_lr=1e-2, warmup_iters=0, beta=1.0, label_smoothing=0.1,
                sft_weight=0.5, log_interval=1, eval_interval=0, eval_examples=0, seed=7)
     cfg.update(kw)
-    return [f"--{k}={v}" for k, v in cfg.items()]
+    return as_args(**cfg)
 
 
 @pytest.fixture(scope="module")
@@ -62,13 +49,7 @@ def baseline(tmp_path_factory, pairs):
     return out_dir
 
 
-def steps(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [m for m in map(json.loads, f) if "loss" in m]
-
-
-def params(out_dir):
-    return torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)["model"]
+steps, params = step_metrics, checkpoint_weights
 
 
 def assert_same_run(a, b, exact=False):
@@ -127,7 +108,7 @@ def test_cache_is_reused_and_keyed_by_the_weights(tmp_path, pairs, baseline):
     again = run(common_args(out_dir, pairs))
     assert "reference log-probs: loaded" in again.stdout
     assert_same_run(baseline, out_dir, exact=True)  # the same numbers, read back from disk
-    other = run(common_args(out_dir, pairs, max_iters=1, seed=8))  # scratch weights from another seed: another key
+    other = run(common_args(out_dir, pairs, max_iters=1, seed=8, overwrite=True))  # scratch weights from another seed: another key
     assert "saved as" in other.stdout
     assert len([f for f in os.listdir(os.path.join(out_dir, "reference")) if f.endswith(".json")]) == 2
     assert steps(out_dir)[0]["ref_cache_seconds"] > 0
@@ -186,7 +167,7 @@ def test_bad_preference_data_is_one_clear_message(tmp_path, message):
     path = tmp_path / "bad.jsonl"
     good = {"prompt": "What is 1+1?", "chosen": "2", "rejected": "3"}
     path.write_text(json.dumps(good) + "\n" + json.dumps(BAD_LINES[message]) + "\n")
-    out = run([f"--out_dir={tmp_path / 'run'}", "--init_from=scratch", "--model=tiny", f"--data={path}"], check=False)
+    out = run([f"--out_dir={tmp_path / 'run'}", "--init_from=scratch", "--preset=tiny", f"--data={path}"], check=False)
     assert out.returncode != 0
     assert f"bad.jsonl:2: " in out.stderr and message in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr

@@ -1,0 +1,167 @@
+"""
+The DPO side of train_dpo.py: the loss family, per-pair statistics, response lengths, the per-pair log-prob
+sums of a whole split, and the reference model's log-probs (computed once and cached on disk, or a live
+frozen copy). Pure functions of tensors where possible, so each is tested on its own (tests/test_dpo_loss.py).
+
+A pair p is sequences 2p (chosen) and 2p+1 (rejected) of the data; a packed micro-batch holds whole pairs, and
+mb.pair_sums(per-position values) gives (chosen (P,), rejected (P,)) with one index_add_ over sequence ids.
+"""
+
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from common import all_reduce_sum, initial_model, print0, wrap_model
+from packing import make_batch, pack
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "dpo_norm", "simpo")
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, len_chosen, len_rejected,
+             loss_type, beta, label_smoothing=0.0, gamma=0.0):
+    """Per-pair losses (P,) and rewards (chosen (P,), rejected (P,)) from per-sequence log-prob sums of the
+    policy and the reference, and the response lengths in target tokens. Rewards are beta * (policy - reference),
+    on log-probs per response token for ipo (TRL's convention), dpo_norm and simpo, and on the policy alone
+    for simpo, which has no reference."""
+    pc, pr, rc, rr = policy_chosen, policy_rejected, ref_chosen, ref_rejected
+    if loss_type in ("ipo", "dpo_norm", "simpo"):
+        pc, pr, rc, rr = pc / len_chosen, pr / len_rejected, rc / len_chosen, rr / len_rejected
+    if loss_type == "simpo":
+        rc, rr = torch.zeros_like(rc), torch.zeros_like(rr)
+    h = (pc - rc) - (pr - rr)  # how much more than the reference the policy prefers chosen over rejected
+    if loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    else:  # sigmoid, dpo_norm, simpo: logistic, with a margin gamma for simpo
+        z = beta * h - (gamma if loss_type == "simpo" else 0.0)
+        losses = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return losses, beta * (pc - rc).detach(), beta * (pr - rr).detach()
+
+
+def pair_stats(losses, rewards_chosen, rewards_rejected, policy_chosen, policy_rejected):
+    """Sums over pairs, (6,): loss, rewards chosen / rejected, pairs whose chosen reward is the higher (a per-pair
+    comparison, not a comparison of mean rewards), log-probs chosen / rejected. Summed, all-reduced, then divided."""
+    return torch.stack([losses.sum(), rewards_chosen.sum(), rewards_rejected.sum(),
+                        (rewards_chosen > rewards_rejected).sum(), policy_chosen.sum(), policy_rejected.sum()]).detach()
+
+
+def response_lengths(split_data, device):
+    """(P, 2) float32: target tokens of each pair's chosen and rejected response (a sequence's first token is
+    never a target): what dpo_norm / ipo / simpo divide by, and what sft_weight's NLL is normalised by."""
+    offsets, mask = np.asarray(split_data["offsets"]), np.asarray(split_data["loss_mask"])
+    if len(offsets) == 1:
+        return torch.zeros(0, 2, device=device)
+    targets = np.add.reduceat(mask, offsets[:-1], dtype=np.int64) - mask[offsets[:-1]]
+    return torch.tensor(targets.reshape(-1, 2), dtype=torch.float32, device=device)
+
+
+@torch.no_grad()
+def split_logps(model, split_data, budget, device, autocast, pad=False):
+    """(P, 2) log-prob sums [chosen, rejected] of every pair of a split, forward only, the same on every rank:
+    each rank runs its share of the packed bins and the shares are summed over ranks. Every rank runs the same
+    number of forwards (a filler when its share is done), since under FSDP each forward is a collective."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    was_training = model.training
+    model.eval()
+    lengths = np.diff(np.asarray(split_data["offsets"])).reshape(-1, 2).sum(1)  # (P,) tokens per pair
+    bins = pack(lengths, budget) if len(lengths) else []
+    sums = torch.zeros(len(lengths), 2, device=device)
+    for i in range(-(-len(bins) // world_size)):
+        j = rank + i * world_size
+        mb = make_batch(split_data, bins[j] if j < len(bins) else [], budget if pad else None, dpo=True).to(device)
+        with autocast:
+            logps = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets, logprobs=True)
+        sums[mb.pair_indices] = torch.stack(mb.pair_sums(logps), 1)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    model.train(was_training)
+    return sums
+
+
+class Reference:
+    """The reference model's log-prob sums for the policy's micro-batches and the val split: looked up from
+    (P, 2) tables computed once (mode 'cached'; zeros for simpo, which has none), or computed by a live
+    frozen copy on the same packed micro-batch (mode 'live', for comparisons: it costs a second model)."""
+
+    def __init__(self, train=None, val=None, model=None, autocast=None):
+        self.train, self.val, self.model, self.autocast = train, val, model, autocast
+
+    def __call__(self, mb):
+        """-> (chosen (P,), rejected (P,)) for the pairs of a training micro-batch."""
+        if self.model is None:
+            ref = self.train[mb.pair_indices]
+            return ref[:, 0], ref[:, 1]
+        with torch.no_grad(), self.autocast:
+            return mb.pair_sums(self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen,
+                                           targets=mb.targets, logprobs=True))
+
+
+def reference(mode, run, config, key):
+    """Build the Reference for `mode` ('cached', 'live' or 'none'). Cached log-probs live in
+    out_dir/reference/<key>_{train,val}.npy, with <key>.json written last (its presence means complete)."""
+    c, device = config, run.device
+    budget = 4 * c["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
+    logps = lambda model, split: split_logps(model, split, budget, device, run.autocast, pad=c["compile"])
+    n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
+    if mode == "none":
+        return Reference(torch.zeros(n_train, 2, device=device), torch.zeros(n_val, 2, device=device))
+    if mode == "live":
+        ref_model = initial_model(run.start, run.tok, c["seed"]).requires_grad_(False).eval().to(device)
+        if c["parallel"] == "fsdp":  # sharded like the policy, so both compute in the same precision
+            ref_model = wrap_model(ref_model, c["parallel"], run.world_size, getattr(torch, run.dtype))
+        return Reference(val=logps(ref_model, run.val_data), model=ref_model, autocast=run.autocast)
+
+    folder = os.path.join(c["out_dir"], "reference")
+    paths = {split: os.path.join(folder, f"{key}_{split}.npy") for split in ("train", "val")}
+    key_path = os.path.join(folder, f"{key}.json")
+    if all_reduce_sum([float(os.path.exists(key_path))], device)[0] == run.world_size:
+        print0(f"reference log-probs: loaded {key_path}")
+        return Reference(*(torch.from_numpy(np.load(paths[s])).to(device) for s in ("train", "val")))
+    if run.iter_num:
+        raise SystemExit(f"{key_path} is missing: the reference log-probs of the run being resumed are gone, and "
+                         f"its checkpoint holds the trained weights, not the reference; start the run again")
+    t0 = time.perf_counter()
+    train, val = logps(run.model, run.train_data), logps(run.model, run.val_data)  # the policy has not moved yet
+    seconds = time.perf_counter() - t0
+    if run.master:
+        os.makedirs(folder, exist_ok=True)
+        for split, values in (("train", train), ("val", val)):
+            np.save(paths[split] + ".tmp.npy", values.cpu().numpy())
+            os.replace(paths[split] + ".tmp.npy", paths[split])
+        with open(key_path, "w") as f:
+            json.dump(dict(key=key, reference=run.start, data_dir=run.data_dir, tokenizer=run.tok.name,
+                           template=run.tok.template, dtype=run.dtype, train_pairs=n_train, val_pairs=n_val,
+                           seconds=seconds), f, indent=2)
+    if dist.is_initialized():
+        dist.barrier()
+    tokens = int(run.train_data["offsets"][-1]) + int(run.val_data["offsets"][-1])
+    print0(f"reference log-probs: {n_train} train + {n_val} val pairs, {tokens:,} tokens in {seconds:.1f}s "
+           f"({tokens / seconds / run.world_size:,.0f} tok/s/gpu), saved as {key_path}")
+    return Reference(train, val)
+
+
+def reference_key(run, seed):
+    """What the reference log-probs depend on, hashed: the initial weights themselves (the bytes of the model
+    folder's config and safetensors, or the preset and seed: not a path, so new weights in the same folder miss
+    the cache), the token files of both splits, the tokenizer, template and dtype."""
+    h = hashlib.sha256(json.dumps(["nanopack-reference-v2", run.start, run.tok.name, run.tok.template, run.dtype,
+                                   seed if run.start["init_from"] == "scratch" else None,
+                                   torch.__version__ if run.start["init_from"] == "scratch" else None]).encode())
+    folder = run.start["init_from"]
+    if folder != "scratch":
+        for name in sorted(os.listdir(folder)):
+            if name == "config.json" or name.endswith(".safetensors"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        h.update(chunk)
+    for split_data in (run.train_data, run.val_data):
+        for k in ("ids", "offsets", "loss_mask"):
+            h.update(np.ascontiguousarray(split_data[k]))
+    return h.hexdigest()[:16]
