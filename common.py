@@ -135,6 +135,7 @@ class Run:
     max_iters: int
     ckpt_path: str
     saved: dict                # the script's own extras from the checkpoint being resumed ({} otherwise)
+    compile: bool              # the blocks are compiled, and micro-batches padded to one shape
     max_bad_steps: int
     stop: "StopSignal"
     skipped_steps: int = 0     # updates skipped for a non-finite loss or gradient norm, this process's lifetime
@@ -192,7 +193,8 @@ class StopSignal:
         if self.name == "SIGINT" and name == "SIGINT":
             raise KeyboardInterrupt
         self.name = self.name or name
-        print(f"rank {os.environ.get('RANK', 0)}: {name}: stopping after this step with a checkpoint", flush=True)
+        # os.write, not print: a print inside a signal handler can interrupt a print and raise "reentrant call"
+        os.write(2, f"rank {os.environ.get('RANK', 0)}: {name}: stopping after this step with a checkpoint\n".encode())
 
 
 def check_config(c, kind, choices):
@@ -201,7 +203,8 @@ def check_config(c, kind, choices):
     def bad(key, accepted):
         raise SystemExit(f"config error: {key}={c[key]!r}; {accepted}")
 
-    choices = dict(device=("auto", "cpu", "cuda"), dtype=("auto", "bfloat16", "float32"), parallel=("ddp", "fsdp"),
+    choices = dict(device=("auto", "cpu", "cuda"), dtype=("auto", "bfloat16", "float32"), compile=("auto", True, False),
+                   parallel=("ddp", "fsdp"),
                    overlong=("error", "truncate", "skip"), loss_weighting=("token", "sequence"), **choices)
     for key, allowed in choices.items():
         if key in c and c[key] not in allowed:
@@ -279,7 +282,10 @@ def setup(config, kind, builtin_sizes=None, choices=None):
         raise SystemExit(f"model error: {e}") from None
     raw_model.to(device)
     raw_model.activation_checkpointing = c["activation_checkpointing"]
-    if c["compile"]:
+    compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
+    if c["compile"] == "auto" and not compiled:
+        print0("compile='auto': off on CPU, where the compiled blocks measured slower than eager (bench/RESULTS.md)")
+    if compiled:
         # Per block: the chunked loss's loop stays eager, each block is one graph. Training shapes are fixed
         # (micro-batches padded to microbatch_tokens); the number of sequences (cu_seqlens, max_seqlen) varies,
         # and generation in evaluation has other shapes: automatic dynamic shapes recompile once for those.
@@ -290,7 +296,7 @@ def setup(config, kind, builtin_sizes=None, choices=None):
 
     # compile wants a fixed shape: every micro-batch is padded to microbatch_tokens (a dummy tail segment)
     loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
-                          seed=c["seed"], dpo=kind == "dpo", pad_to=c["microbatch_tokens"] if c["compile"] else None)
+                          seed=c["seed"], dpo=kind == "dpo", pad_to=c["microbatch_tokens"] if compiled else None)
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))
     iter_num, saved = 0, {}
     if resume:
@@ -304,7 +310,7 @@ def setup(config, kind, builtin_sizes=None, choices=None):
     return Run(rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
                raw_model=raw_model, optimizer=optimizer, loader=loader, iter_num=iter_num, max_iters=max_iters,
-               ckpt_path=ckpt_path, saved=saved, max_bad_steps=c["max_bad_steps"], stop=StopSignal())
+               ckpt_path=ckpt_path, saved=saved, compile=compiled, max_bad_steps=c["max_bad_steps"], stop=StopSignal())
 
 
 def initial_config(start, tok):
@@ -490,6 +496,7 @@ def restore_checkpoint(ckpt, model, optimizer):
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json keys generation tools read
 
 
 def finish(run, out_dir):
@@ -506,9 +513,21 @@ def finish(run, out_dir):
         export.load_state_dict(full_state, assign=True)
         export.save_pretrained(hf_dir)
         byte = run.tok.name == "byte"
-        for name in () if byte else TOKENIZER_FILES:
-            if os.path.exists(os.path.join(run.tok.name, name)):
-                shutil.copy(os.path.join(run.tok.name, name), hf_dir)
+        folders = [f for f in {run.start["init_from"], run.tok.name} if os.path.isdir(f)]  # the source's files
+        for name in TOKENIZER_FILES:
+            for folder in folders:
+                if os.path.exists(os.path.join(folder, name)):
+                    shutil.copy(os.path.join(folder, name), hf_dir)
+        # the special token ids the source's config.json carries (or the tokenizer's), so generation stops
+        ids = dict(bos_token_id=run.tok.bos_id, eos_token_id=run.tok.eos_id, pad_token_id=None)
+        source = os.path.join(run.start["init_from"], "config.json")
+        if os.path.exists(source):
+            with open(source) as f:
+                ids.update({k: v for k, v in json.load(f).items() if k in TOKEN_ID_KEYS})
+        with open(os.path.join(hf_dir, "config.json")) as f:
+            hf_config = json.load(f)
+        with open(os.path.join(hf_dir, "config.json"), "w") as f:
+            json.dump({**hf_config, **ids}, f, indent=2)
         print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}"
                + (" (byte-level tokenizer: sample.py uses it by default)" if byte else ""))
     teardown_distributed()

@@ -5,8 +5,12 @@ nanoGPT-style configuration: a training script keeps its config as plain globals
 
 which applies, in order, every config/*.py file named on the command line and every --key=value.
 Only keys the script already defines can be set, and each value must have the type of the script's default
-(an int is accepted where a float is expected; a default of None accepts any value). Anything else is one
+(an int is accepted where a float is expected; a default of None or 'auto' accepts any value). Anything else is one
 clear error naming the file or argument, the key and the value.
+
+With `finetune` values, a run that starts from a pretrained model (init_from a folder that ships its own tokenizer,
+as real checkpoints do; not one of our toy runs' exports) uses them for the keys argv does not set, and says so:
+toy learning rates destroy a real model.
 
 With init_from='resume' the run continues with the config saved in out_dir/ckpt.pt: keys not given again keep
 the run's values, keys given with another value are printed ("overriding learning_rate 1e-05 -> 2e-05"), and
@@ -32,8 +36,8 @@ def _check(config, key, value, where):
         hint = f" (similar: {', '.join(close)})" if close else ""
         raise ConfigError(f"{where}: unknown config key {key!r}{hint}; the keys are the globals at the top of the script")
     default = config[key]
-    if default is None or value is None or isinstance(value, type(default)):
-        return value
+    if default in (None, "auto") or value is None or isinstance(value, type(default)):
+        return value  # None and 'auto' defaults take values of other types too; the script checks them
     if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     raise ConfigError(f"{where}: {key}={value!r} is of type {type(value).__name__}, "
@@ -47,7 +51,7 @@ def _parse(text):
         return text  # a bare word is a string: --init_from=resume
 
 
-def configure(config, argv=None):
+def configure(config, argv=None, finetune=None):
     """Update the dict `config` (a script's globals()) in place from argv, and from the saved config of the run
     being resumed; returns the plain config values. A mistake ends the program with its one-line message."""
     given = set()  # keys set by argv: a config file or --key=value
@@ -55,9 +59,21 @@ def configure(config, argv=None):
         values = apply_overrides(config, sys.argv[1:] if argv is None else argv, given)
         if values.get("init_from") == "resume":
             values = restore_saved(config, values, given)
+        elif finetune and pretrained(values.get("init_from", "")):
+            chosen = {k: v for k, v in finetune.items() if k not in given}
+            for key, value in chosen.items():
+                values[key] = config[key] = value
+            if chosen and int(os.environ.get("RANK", 0)) == 0:
+                print(f"fine-tuning a pretrained model: {', '.join(f'{k}={v}' for k, v in chosen.items())} "
+                      f"(defaults for real models; set them to change)", flush=True)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
     return values
+
+
+def pretrained(init_from):
+    """A model folder with its own tokenizer files: a real checkpoint, not an export of our byte-level toy runs."""
+    return any(os.path.exists(os.path.join(init_from, f)) for f in ("tokenizer.json", "tokenizer.model"))
 
 
 def restore_saved(config, values, given):

@@ -108,7 +108,7 @@ def reference(mode, run, config, key):
     out_dir/reference/<key>_{train,val}.npy, with <key>.json written last (its presence means complete)."""
     c, device = config, run.device
     budget = 4 * c["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
-    logps = lambda model, split: split_logps(model, split, budget, device, run.autocast, pad=c["compile"])
+    logps = lambda model, split: split_logps(model, split, budget, device, run.autocast, pad=run.compile)
     n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
     if mode == "none":
         return Reference(torch.zeros(n_train, 2, device=device), torch.zeros(n_val, 2, device=device))

@@ -35,7 +35,7 @@ batch_size = 32  # preference pairs per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole pairs: chosen + rejected)
 max_iters = 0  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
-learning_rate = 2e-4  # the toy model; fine-tuned real models want ~5e-7 with beta 0.1 (see config/)
+learning_rate = 2e-4  # the toy model; a pretrained init_from gets fine-tuning values (see configure below)
 min_lr = 2e-5
 warmup_iters = 5
 weight_decay = 0.0
@@ -47,12 +47,15 @@ gamma = 0.5  # simpo: target reward margin
 sft_weight = 0.0  # adds sft_weight * NLL per target token of the step's chosen responses (train_sft.py's loss)
 reference = "cached"  # 'cached': reference log-probs computed once, kept on disk; 'live': a frozen copy in memory
 # the run's machinery, as in train_sft.py (see there what each key does)
-seed, device, dtype, compile, activation_checkpointing, parallel = 1337, "auto", "auto", False, False, "ddp"
+seed, device, dtype, compile, activation_checkpointing, parallel = 1337, "auto", "auto", "auto", False, "ddp"
 log_interval, eval_examples, val_fraction = 10, 200, 0.01
 eval_interval = 100  # evaluate (val loss, reward accuracy; built-in task: exact match) and checkpoint; 0 = at the end only
 max_bad_steps, overwrite, dist_timeout = 3, False, 300
 wandb_log, wandb_project, wandb_run_name = False, "nanopack", "dpo"
-config = configure(globals())
+# Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
+# the Zephyr and Tulu DPO recipes train 7-8B models with lr 5e-7 and beta 0.1; the toy values above (lr 2e-4,
+# beta 2) drive a real model to loss 0 and silence within a few steps
+config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1))
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "dpo", builtin_sizes=dict(n_train=2048, n_val=200),  # built-in: 64 steps of 32 pairs
@@ -95,7 +98,7 @@ def evaluate():
     the built-in task; printed and logged."""
     out = {}
     if len(lengths_val):
-        policy = dpo.split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, pad=compile)
+        policy = dpo.split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, pad=run.compile)
         losses, rewards_c, rewards_r = dpo.dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
                                                     lengths_val[:, 0], lengths_val[:, 1], loss_type, beta,
                                                     label_smoothing, gamma)

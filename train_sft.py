@@ -34,7 +34,7 @@ batch_size = 32  # examples per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
 max_iters = 1100  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
-learning_rate = 5e-3  # the toy model from scratch; fine-tuning a real model wants ~1e-5 (see config/)
+learning_rate = 5e-3  # the toy model from scratch; a pretrained init_from gets fine-tuning values (see configure below)
 min_lr = 5e-4
 warmup_iters = 20
 weight_decay = 0.1
@@ -43,7 +43,7 @@ loss_weighting = "token"  # 'token': every target token counts the same; 'sequen
 seed = 1337
 device = "auto"  # 'auto', 'cpu', 'cuda'
 dtype = "auto"  # 'auto' = bfloat16 on CUDA, float32 on CPU
-compile = False
+compile = "auto"  # True, False, or 'auto': on with CUDA, off on CPU (slower there)
 activation_checkpointing = False
 parallel = "ddp"  # 'ddp' or 'fsdp' (used when launched with torchrun on more than one process)
 log_interval = 10
@@ -56,7 +56,10 @@ dist_timeout = 300  # seconds a collective may wait for the other ranks before f
 wandb_log = False
 wandb_project = "nanopack"
 wandb_run_name = "sft"
-config = configure(globals())
+# Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
+# published SFT recipes for 0.1-8B models use AdamW with ~1e-5-2e-5 and cosine decay (Tulu 3, Zephyr, SmolLM2)
+config = configure(globals(), finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20, weight_decay=0.0,
+                                            max_iters=0, epochs=2.0))
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "sft")
@@ -89,7 +92,7 @@ def evaluate():
     n_targets = 0
     for j in range(run.rank, -(-len(bins) // world_size) * world_size, world_size):
         # past the end of the bins: a filler forward with no targets, so this rank keeps step with the others
-        mb = make_batch(run.val_data, bins[j] if j < len(bins) else [], pad_to=microbatch_tokens if compile else None)
+        mb = make_batch(run.val_data, bins[j] if j < len(bins) else [], pad_to=microbatch_tokens if run.compile else None)
         n_targets += mb.num_target_tokens
         mb = mb.to(device)
         with run.autocast:

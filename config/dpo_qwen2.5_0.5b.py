@@ -11,6 +11,6 @@ learning_rate = 5e-7
 min_lr = 5e-8
 warmup_iters = 20
 beta = 0.1
-compile = True
+compile = "auto"  # on with CUDA; off on CPU
 log_interval = 10
 eval_interval = 200

@@ -14,6 +14,6 @@ learning_rate = 1e-5
 min_lr = 1e-6
 warmup_iters = 50
 weight_decay = 0.0
-compile = True
+compile = "auto"  # on with CUDA; off on CPU
 log_interval = 10
 eval_interval = 200

@@ -11,6 +11,6 @@ learning_rate = 2e-5
 min_lr = 2e-6
 warmup_iters = 30
 weight_decay = 0.0
-compile = True
+compile = "auto"  # on with CUDA; off on CPU
 log_interval = 10
 eval_interval = 200

@@ -36,3 +36,16 @@ def test_unknown_key_in_a_config_file_names_the_file(tmp_path):
     preset.write_text("learning_rat = 0.1\n")
     with pytest.raises(ConfigError, match=f"config file {preset}: unknown config key 'learning_rat'"):
         apply_overrides(defaults(), [str(preset)])
+
+
+def test_a_pretrained_start_gets_fine_tuning_values_unless_set(tmp_path, capsys):
+    real, ours = tmp_path / "real", tmp_path / "ours"
+    real.mkdir()
+    ours.mkdir()
+    (real / "tokenizer.json").write_text("{}")  # a real checkpoint ships its tokenizer; our toy exports do not
+    finetune = dict(learning_rate=2e-5, batch_size=8)
+    cfg = configure(defaults(), [f"--init_from={real}", "--batch_size=16"], finetune=finetune)
+    assert cfg["learning_rate"] == 2e-5 and cfg["batch_size"] == 16  # what the user set wins
+    assert "fine-tuning a pretrained model: learning_rate=2e-05 (defaults for real models" in capsys.readouterr().out
+    for start in (str(ours), "scratch"):
+        assert configure(defaults(), [f"--init_from={start}"], finetune=finetune)["learning_rate"] == 3e-4

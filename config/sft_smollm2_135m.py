@@ -1,0 +1,16 @@
+# SmolLM2-135M-Instruct SFT on a laptop CPU in minutes (or your own chats with --data=chats.jsonl):
+#   python train_sft.py config/sft_smollm2_135m.py --init_from=/models/SmolLM2-135M-Instruct
+out_dir = "out/sft-smollm2-135m"
+init_from = "/models/SmolLM2-135M-Instruct"  # a local Hugging Face folder (weights + tokenizer.json)
+data = "builtin"  # the arithmetic chats, tokenized with the model's own tokenizer and chat template
+batch_size = 8
+microbatch_tokens = 2048
+max_iters = 100  # ~100k tokens
+learning_rate = 2e-5  # published SFT recipes for 0.1-8B models: 1e-5 to 2e-5, cosine
+min_lr = 2e-6
+warmup_iters = 10
+weight_decay = 0.0
+compile = "auto"  # on with CUDA; off on CPU
+log_interval = 10
+eval_interval = 50
+eval_examples = 50
