@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch._dynamo.utils import counters
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -135,7 +136,6 @@ class Run:
     max_iters: int
     ckpt_path: str
     saved: dict                # the script's own extras from the checkpoint being resumed ({} otherwise)
-    compile: bool              # the blocks are compiled, and micro-batches padded to one shape
     max_bad_steps: int
     stop: "StopSignal"
     skipped_steps: int = 0     # updates skipped for a non-finite loss or gradient norm, this process's lifetime
@@ -286,17 +286,15 @@ def setup(config, kind, builtin_sizes=None, choices=None):
     if c["compile"] == "auto" and not compiled:
         print0("compile='auto': off on CPU, where the compiled blocks measured slower than eager (bench/RESULTS.md)")
     if compiled:
-        # Per block: the chunked loss's loop stays eager, each block is one graph. Training shapes are fixed
-        # (micro-batches padded to microbatch_tokens); the number of sequences (cu_seqlens, max_seqlen) varies,
-        # and generation in evaluation has other shapes: automatic dynamic shapes recompile once for those.
+        # Per block: the chunked loss's loop stays eager, each block is one graph, with the token count, the
+        # number of sequences and max_seqlen dynamic: micro-batches run at their real length, no padding
         for block in raw_model.layers:
-            block.compile()
+            block.compile(dynamic=True)
     model = wrap_model(raw_model, c["parallel"], world_size, ptdtype)
     optimizer = make_optimizer(model, c["learning_rate"], c["weight_decay"], device_type=device.type)
 
-    # compile wants a fixed shape: every micro-batch is padded to microbatch_tokens (a dummy tail segment)
     loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
-                          seed=c["seed"], dpo=kind == "dpo", pad_to=c["microbatch_tokens"] if compiled else None)
+                          seed=c["seed"], dpo=kind == "dpo")
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))
     iter_num, saved = 0, {}
     if resume:
@@ -310,7 +308,7 @@ def setup(config, kind, builtin_sizes=None, choices=None):
     return Run(rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
                raw_model=raw_model, optimizer=optimizer, loader=loader, iter_num=iter_num, max_iters=max_iters,
-               ckpt_path=ckpt_path, saved=saved, compile=compiled, max_bad_steps=c["max_bad_steps"], stop=StopSignal())
+               ckpt_path=ckpt_path, saved=saved, max_bad_steps=c["max_bad_steps"], stop=StopSignal())
 
 
 def initial_config(start, tok):
@@ -612,14 +610,16 @@ class Throughput:
             padding_fraction=padding / max(positions, 1),
             peak_mem_gb=(torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
                          else peak_rss_bytes()) / 2**30,
-            data_time_frac=data_time / self.world_size / elapsed, time_ms=1000 * elapsed / n_steps)
+            data_time_frac=data_time / self.world_size / elapsed, time_ms=1000 * elapsed / n_steps,
+            compiled_graphs=counters["stats"]["unique_graphs"])  # recompiles show here: bounded, not one per step
         return metrics, extra
 
     @staticmethod
     def line(m):
         mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "-"
+        graphs = f" | {m['compiled_graphs']} graphs" if m["compiled_graphs"] else ""
         return (f"{m['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | mfu {mfu} | pad {100 * m['padding_fraction']:.1f}% | "
-                f"{m['time_ms']:.0f} ms/it")
+                f"{m['time_ms']:.0f} ms/it{graphs}")
 
 
 class Timer:

@@ -63,7 +63,7 @@ def response_lengths(split_data, device):
 
 
 @torch.no_grad()
-def split_logps(model, split_data, budget, device, autocast, pad=False):
+def split_logps(model, split_data, budget, device, autocast):
     """(P, 2) log-prob sums [chosen, rejected] of every pair of a split, forward only, the same on every rank:
     each rank runs its share of the packed bins and the shares are summed over ranks. Every rank runs the same
     number of forwards (a filler when its share is done), since under FSDP each forward is a collective."""
@@ -75,7 +75,7 @@ def split_logps(model, split_data, budget, device, autocast, pad=False):
     sums = torch.zeros(len(lengths), 2, device=device)
     for i in range(-(-len(bins) // world_size)):
         j = rank + i * world_size
-        mb = make_batch(split_data, bins[j] if j < len(bins) else [], budget if pad else None, dpo=True).to(device)
+        mb = make_batch(split_data, bins[j] if j < len(bins) else [], dpo=True).to(device)
         with autocast:
             logps = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets, logprobs=True)
         sums[mb.pair_indices] = torch.stack(mb.pair_sums(logps), 1)
@@ -108,7 +108,7 @@ def reference(mode, run, config, key):
     out_dir/reference/<key>_{train,val}.npy, with <key>.json written last (its presence means complete)."""
     c, device = config, run.device
     budget = 4 * c["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
-    logps = lambda model, split: split_logps(model, split, budget, device, run.autocast, pad=run.compile)
+    logps = lambda model, split: split_logps(model, split, budget, device, run.autocast)
     n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
     if mode == "none":
         return Reference(torch.zeros(n_train, 2, device=device), torch.zeros(n_val, 2, device=device))

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100  # target value that contributes no loss (Hugging Face convention)
+PAD_SEGMENT = 128  # a padding tail is cut into segments this long: never past max_seq_len, attention O(128 * n_pad)
 
 
 def pack(lengths, token_budget):
@@ -71,15 +72,16 @@ def pack(lengths, token_budget):
 @dataclass
 class PackedBatch:
     """One packed micro-batch: N whole sequences back to back, then optionally a padding tail.
-    The padding tail (when pad_to asks for one) is one extra segment: its own cu_seqlens entry,
-    position ids 0.., targets -100 and seq_id == num_sequences, so a per-sequence sum over
-    num_sequences + 1 slots puts it in the last slot, which is dropped."""
+    The padding tail (when pad_to asks for one) is a run of dummy segments of at most PAD_SEGMENT tokens
+    (their own cu_seqlens entries, position ids 0.. each, so attention over them costs O(PAD_SEGMENT) per
+    token and no position passes the model's range), targets -100 and seq_id == num_sequences, so a
+    per-sequence sum over num_sequences + 1 slots puts them in the last slot, which is dropped."""
     input_ids: torch.Tensor        # (T,) long
     targets: torch.Tensor          # (T,) long, the next token where it is trained, else IGNORE_INDEX
     position_ids: torch.Tensor     # (T,) long, restarting at 0 for every sequence
     seq_ids: torch.Tensor          # (T,) long, sequence index 0..N-1 in this micro-batch; tail: N
-    cu_seqlens: torch.Tensor       # (N+1,) int32, or (N+2,) with a padding tail; [0]=0, [-1]=T
-    max_seqlen: int                # longest segment, padding tail included (the kernel sees it)
+    cu_seqlens: torch.Tensor       # (N+1,) int32, + one entry per padding segment; [0]=0, [-1]=T
+    max_seqlen: int                # longest segment, padding segments included (the kernel sees it)
     example_indices: torch.Tensor  # (N,) long, index of each sequence in the data
     pair_indices: torch.Tensor     # (P,) long, DPO: seqs 2j, 2j+1 = chosen, rejected of pair j
     num_sequences: int             # N, real sequences (0 for a filler micro-batch)
@@ -133,12 +135,13 @@ def make_batch(data, indices, pad_to=None, dpo=False):
     n_pad = 0 if pad_to is None else pad_to - n_tok
     if n_seq == 0 and n_pad == 0:
         n_pad = 1  # a zero-length micro-batch would trip the attention kernels; one dummy token
-    if n_pad:  # the tail is a sequence of its own, so attention never mixes it with real tokens
+    if n_pad:  # the tail is segments of its own, so attention never mixes it with real tokens
+        tail_cu = np.append(np.arange(0, n_pad, PAD_SEGMENT), n_pad)  # (S+1,) segment starts, then the end
         input_ids = np.concatenate([input_ids, np.zeros(n_pad, np.int64)])
         targets = np.concatenate([targets, np.full(n_pad, IGNORE_INDEX)])
-        position_ids = np.concatenate([position_ids, np.arange(n_pad)])
+        position_ids = np.concatenate([position_ids, np.arange(n_pad) % PAD_SEGMENT])
         seq_ids = np.concatenate([seq_ids, np.full(n_pad, n_seq)])
-        cu = np.append(cu, n_tok + n_pad)
+        cu = np.concatenate([cu, n_tok + tail_cu[1:]])
     as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
     return PackedBatch(
         input_ids=as_long(input_ids), targets=as_long(targets), position_ids=as_long(position_ids),

@@ -98,7 +98,7 @@ def evaluate():
     the built-in task; printed and logged."""
     out = {}
     if len(lengths_val):
-        policy = dpo.split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, pad=run.compile)
+        policy = dpo.split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast)
         losses, rewards_c, rewards_r = dpo.dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
                                                     lengths_val[:, 0], lengths_val[:, 1], loss_type, beta,
                                                     label_smoothing, gamma)

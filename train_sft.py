@@ -92,7 +92,7 @@ def evaluate():
     n_targets = 0
     for j in range(run.rank, -(-len(bins) // world_size) * world_size, world_size):
         # past the end of the bins: a filler forward with no targets, so this rank keeps step with the others
-        mb = make_batch(run.val_data, bins[j] if j < len(bins) else [], pad_to=microbatch_tokens if run.compile else None)
+        mb = make_batch(run.val_data, bins[j] if j < len(bins) else [])
         n_targets += mb.num_target_tokens
         mb = mb.to(device)
         with run.autocast:

@@ -2,7 +2,8 @@
 End-to-end training steps, side by side on the same data, model shape, initial weights and example order:
 
   packed          nanopack as train_sft.py / train_dpo.py run it (whole sequences packed into microbatch_tokens)
-  packed+compile  the same with torch.compile per block (micro-batches padded to one fixed shape)
+  packed+compile  the same with torch.compile per block, dynamic shapes (as the scripts do: no padding)
+  packed+compile-static  compiled with one static shape: every micro-batch padded to microbatch_tokens (before)
   padded          nanopack with packing disabled: every micro-batch padded to its longest sequence
   hf              Hugging Face transformers LlamaForCausalLM (SDPA attention) on the same padded micro-batches,
                   full logits + cross-entropy (SFT) or log_softmax + gather (DPO): what most users run today
@@ -47,8 +48,8 @@ SIZES = {  # model shape, token budget per micro-batch, examples per step, lengt
     "vocab128k": dict(model=dict(d_model=256, n_layer=2, n_head=4, n_kv_head=2, ffn_hidden=688, vocab_size=128256,
                                  max_seq_len=16384), microbatch_tokens=16384, batch_size=16, scale=1.0),
 }
-CONFIGS = dict(sft=("packed", "packed+compile", "padded", "hf", "trl-padfree", "trl-packed"),
-               dpo=("packed", "packed+compile", "padded", "hf", "trl"))
+CONFIGS = dict(sft=("packed", "packed+compile", "packed+compile-static", "padded", "hf", "trl-padfree", "trl-packed"),
+               dpo=("packed", "packed+compile", "packed+compile-static", "padded", "hf", "trl"))
 
 
 # -----------------------------------------------------------------------------
@@ -169,9 +170,11 @@ def result(tokens, positions, flops, elapsed, loss, rss0):
     import common
     cuda = torch.cuda.is_available()
     peak_flops = common.peak_flops(torch.device("cuda" if cuda else "cpu"))
+    from torch._dynamo.utils import counters
     return dict(tokens_per_sec=tokens / elapsed, mfu=flops / elapsed / peak_flops if peak_flops else None,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else rss_gib() - rss0,
-                padding=1 - tokens / positions, loss=loss, tokens=tokens)
+                padding=1 - tokens / positions, loss=loss, tokens=tokens, graphs=counters["stats"]["unique_graphs"],
+                positions=positions)
 
 
 def run_config(name, args):
@@ -199,9 +202,9 @@ def run_config(name, args):
             del net
             net = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa")
     net.to(device).train()
-    if name == "packed+compile":
+    if name.startswith("packed+compile"):
         for block in net.layers:
-            block.compile()
+            block.compile(dynamic=name == "packed+compile")
     opt = common.make_optimizer(net, 1e-3, 0.0, device_type=device.type)
     flops_model = net  # FLOPs per token from our formula for every row; hf: a weightless copy of our model
     if name == "hf":
@@ -214,7 +217,7 @@ def run_config(name, args):
         out = []
         for units in step:
             mb = (padded_batch(data, units, dpo) if name in ("padded", "hf") else
-                  make_batch(data, units, pad_to=args.microbatch_tokens if name == "packed+compile" else None, dpo=dpo))
+                  make_batch(data, units, pad_to=args.microbatch_tokens if name.endswith("static") else None, dpo=dpo))
             lens = np.diff(data["offsets"])[mb.example_indices.numpy()]
             out.append((mb.to(device), lens))
         return out
@@ -497,17 +500,18 @@ def main():
         rows.append((name, res))
     base = dict(rows).get("hf", {}).get("tokens_per_sec")
     mem_name = "peak GiB (CUDA alloc)" if cuda else "peak GiB (RSS growth)"
-    header = f"| config | real tok/s (per GPU) | MFU | {mem_name} | padding | loss after {args.steps + args.warmup} steps | speed vs hf |"
+    header = (f"| config | real tok/s (per GPU) | MFU | {mem_name} | padding | loss after {args.steps + args.warmup} steps "
+              f"| speed vs hf | compiled graphs |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for name, r in rows:
         if "error" in r:
-            print(f"| {name} | {r['error']} | | | | | |")
+            print(f"| {name} | {r['error']} | | | | | | |")
             continue
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         ratio = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
         print(f"| {name} | {r['tokens_per_sec']:,.0f} | {mfu} | {r['peak_gib']:.2f} | {100 * r['padding']:.1f}% | "
-              f"{r['loss']:.4f} | {ratio} |")
+              f"{r['loss']:.4f} | {ratio} | {r.get('graphs') or '-'} |")
 
 
 if __name__ == "__main__":

@@ -143,7 +143,7 @@ def test_make_batch_fields():
     for t in (mb.input_ids, mb.targets, mb.position_ids, mb.seq_ids):
         assert t.dtype == torch.long and t.shape == (8,)
 
-    padded = make_batch(data, [2, 0, 1], pad_to=13)  # a dummy tail segment of 5
+    padded = make_batch(data, [2, 0, 1], pad_to=13)  # a dummy tail segment of 5 (< PAD_SEGMENT)
     assert padded.input_ids.shape == (13,) and padded.input_ids[:8].tolist() == mb.input_ids.tolist()
     assert padded.targets[7:].tolist() == [IGNORE_INDEX] * 6
     assert padded.position_ids[8:].tolist() == [0, 1, 2, 3, 4]
@@ -314,3 +314,24 @@ def test_loader_rejects_too_long_example():
     dpo = make_dpo_data(4)
     with pytest.raises(ValueError, match="pair 0 has .* raise microbatch_tokens"):
         PackedLoader(dpo, batch_size=2, microbatch_tokens=8, dpo=True)
+
+
+def test_a_long_padding_tail_is_short_segments_and_changes_no_loss():
+    """pad_to far above the model's max_seq_len: the tail is cut into PAD_SEGMENT-token segments, so no position
+    passes the RoPE table and attention over the tail stays O(PAD_SEGMENT) per token; real losses are unchanged."""
+    from model import Transformer, config_from_preset
+    from packing import PAD_SEGMENT
+    data = make_sft_data(np.array([30, 50, 20]))
+    data["ids"] = data["ids"] % 512
+    mb = make_batch(data, [0, 1, 2])
+    padded = make_batch(data, [0, 1, 2], pad_to=100 + 3 * PAD_SEGMENT + 7)
+    tail = np.diff(padded.cu_seqlens.numpy())[3:]
+    assert tail.tolist() == [PAD_SEGMENT] * 3 + [7] and padded.max_seqlen == PAD_SEGMENT
+    assert padded.position_ids.max() < PAD_SEGMENT
+    model = Transformer(config_from_preset("tiny", vocab_size=512, max_seq_len=128))  # pad_to is 3.1x that
+    with torch.no_grad():
+        loss, n = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets)
+        loss_p, n_p = model(padded.input_ids, padded.position_ids, padded.cu_seqlens, padded.max_seqlen,
+                            targets=padded.targets)
+    assert n == n_p
+    torch.testing.assert_close(loss_p, loss, atol=1e-5, rtol=1e-6)  # other packing of the same sums: rounding only
