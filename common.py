@@ -266,7 +266,7 @@ def setup(config, kind, builtin_sizes=None, choices=None):
     os.makedirs(c["out_dir"], exist_ok=True)
 
     if resume:  # a resumed run continues with the data, tokenizer and initial weights of the run it continues
-        tok, data_dir, start = get_tokenizer(ckpt["tokenizer"]), ckpt["data_dir"], ckpt["start"]
+        tok, data_dir, start = choose_tokenizer(ckpt["tokenizer"], "resume"), ckpt["data_dir"], ckpt["start"]
         model_config = ModelConfig(**ckpt["model_config"])
     else:
         start = dict(init_from=c["init_from"], preset=c["preset"])
@@ -360,7 +360,10 @@ def choose_tokenizer(tokenizer, init_from):
     """The tokenizer asked for; else the one in init_from's Hugging Face folder; else the byte-level one
     (a folder without tokenizer files is a model we trained with it, like out/sft/hf)."""
     hf_folder = init_from not in ("scratch", "resume")
-    return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"))
+    try:
+        return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"))
+    except (ValueError, OSError) as e:  # an unsupported tokenizer or template: the file and the key, one line
+        raise SystemExit(f"tokenizer error: {e}") from None
 
 
 def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed, val_fraction, **builtin):

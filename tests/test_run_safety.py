@@ -139,6 +139,8 @@ def model_folder(tmp_path, damage):
         os.remove(folder / "config.json")
     elif damage == "badjson":
         (folder / "config.json").write_text('{"model_type": "llama",\n  "vocab_size": 261,,\n}')
+    elif damage == "badtokenizer":  # a SentencePiece-style (not byte-level BPE) tokenizer.json
+        (folder / "tokenizer.json").write_text('{"model": {"type": "Unigram", "vocab": []}, "added_tokens": []}')
     elif damage == "truncated":
         data = (folder / "model.safetensors").read_bytes()
         (folder / "model.safetensors").write_bytes(data[:len(data) // 2])
@@ -152,7 +154,7 @@ def a_file(tmp_path):
 
 PLACES = {"@file": a_file, "@long": lambda t: long_example_jsonl(t, 3000),
           "@medium": lambda t: long_example_jsonl(t, 1000), **{f"@{d}": (lambda t, d=d: model_folder(t, d))
-                                                             for d in ("noconfig", "badjson", "truncated")}}
+                                                             for d in ("noconfig", "badjson", "truncated", "badtokenizer")}}
 
 
 BAD = [  # (script, arguments, what the one line must say)
@@ -171,6 +173,7 @@ BAD = [  # (script, arguments, what the one line must say)
     ("train_sft.py", "--init_from=@noconfig", "it is neither 'scratch', 'resume' nor a Hugging Face model folder"),
     ("train_sft.py", "--init_from=@badjson", "config.json: not valid JSON"),
     ("train_sft.py", "--init_from=@truncated", "model.safetensors: incomplete or corrupt safetensors file"),
+    ("train_sft.py", "--init_from=@badtokenizer", "tokenizer error: "),
     ("train_sft.py", "--data=@medium --microbatch_tokens=512", "more than microbatch_tokens=512; raise microbatch_tokens"),
     ("train_sft.py", "--data=@long --microbatch_tokens=4096",
      "long.jsonl:2: the example is 3007 tokens, more than max_len=2048 — raise --max_len, or pass --overlong "
