@@ -137,7 +137,7 @@ def reference(mode, run, config, key):
             os.replace(paths[split] + ".tmp.npy", paths[split])
         with open(key_path, "w") as f:
             json.dump(dict(key=key, reference=run.start, data_dir=run.data_dir, tokenizer=run.tok.name,
-                           template=run.tok.template, dtype=run.dtype, train_pairs=n_train, val_pairs=n_val,
+                           template=run.tok.template_id, dtype=run.dtype, train_pairs=n_train, val_pairs=n_val,
                            seconds=seconds), f, indent=2)
     if dist.is_initialized():
         dist.barrier()
@@ -151,7 +151,7 @@ def reference_key(run, seed):
     """What the reference log-probs depend on, hashed: the initial weights themselves (the bytes of the model
     folder's config and safetensors, or the preset and seed: not a path, so new weights in the same folder miss
     the cache), the token files of both splits, the tokenizer, template and dtype."""
-    h = hashlib.sha256(json.dumps(["nanopack-reference-v2", run.start, run.tok.name, run.tok.template, run.dtype,
+    h = hashlib.sha256(json.dumps(["nanopack-reference-v2", run.start, run.tok.name, run.tok.template_id, run.dtype,
                                    seed if run.start["init_from"] == "scratch" else None,
                                    torch.__version__ if run.start["init_from"] == "scratch" else None]).encode())
     folder = run.start["init_from"]

@@ -3,23 +3,52 @@ Tokenizers (tiktoken underneath) and the chat templates that decide which tokens
 
 Three ways to get a Tokenizer, all offline:
   Tokenizer.byte_level()    256 byte tokens + 5 chat special tokens: the built-in data and the tests
-  Tokenizer.from_dir(path)  a model folder: its Hugging Face tokenizer.json (byte-level BPE: Qwen2.5,
-                            SmolLM2, Llama-3 exported) or else its Llama-3 tiktoken file tokenizer.model
+  Tokenizer.from_dir(path)  a model folder: its Hugging Face tokenizer.json (byte-level BPE: Qwen2/2.5/3,
+                            SmolLM2, Llama-3 exported) or else its Llama-3 tiktoken file tokenizer.model,
+                            and the folder's own chat template when it has one
   get_tokenizer(spec)       "byte" or a model folder: what `data/prepare.py --tokenizer` takes
 
-render(messages) -> (ids, loss_mask): loss_mask is 1 exactly on the tokens the model must learn to
-produce, i.e. every assistant message's content and its end-of-turn token. The bos token, role
-headers, system/user turns and the separator after an end-of-turn are 0.
+Chat formats. A folder's own template (chat_template.jinja, else tokenizer_config.json "chat_template")
+is rendered as transformers renders it: a sandboxed jinja2 environment with the same settings, filters
+and globals, tokenizer_config.json's special tokens (bos_token, eos_token, ...) as variables. The text
+is cut at the special tokens the template wrote and the pieces between are encoded, so render() gives
+the ids of apply_chat_template. Without a template of its own (and for the byte-level toy tokenizer)
+a built-in format is used: "simple", "llama3" or "chatml" (TEMPLATES).
 
-Special tokens are never parsed out of user text: encode("<|im_start|>") gives the plain-text tokens
-of those 12 characters, so data cannot inject a turn boundary. Only the templates emit specials.
+render(messages) -> (ids, loss_mask). The rule: a token is trained (mask 1) when it holds a character
+of an assistant message's content as the template writes it (after the template's own trimming), or
+is the special token the template writes right after it with only whitespace between: the end of the
+turn. All else is 0: bos, role headers, default system prompts, system and user turns, what a template
+writes around a reply (Qwen3's empty <think></think> block before the last one), the newline after an
+end of turn. So a token BPE merged across the start of a reply (a header's newline with the reply's
+first newline) is trained. A reply is found by rendering again with it replaced by a character the
+text lacks: the two renderings differ exactly there.
+
+Special tokens are never parsed out of text from the data: encode("<|im_start|>") gives the plain-text
+tokens of those 12 characters, and in a rendered chat only the template's own text gives special
+tokens, so data cannot inject a turn boundary. That is what transformers does when called with
+apply_chat_template(..., sanitize_control_tokens=True); plain apply_chat_template parses special-token
+text in messages too, so for such messages (only) the ids differ from it on purpose.
+
+Vocabularies that lack single bytes (SmolLM2 lacks 21 of the 256): `tokenizers` drops a byte it cannot
+spell from its regex piece and the bytes around it may then merge; with an unk_token in the model it
+emits unk instead (one per run with fuse_unk) and nothing merges across it. encode does the same, on a
+slower path taken only for text that holds such a byte.
 """
 import base64
+import hashlib
+import itertools
 import json
 import os
+import re
 import unicodedata
+from datetime import datetime
 
+import jinja2
+import jinja2.ext
+import regex  # tiktoken's own dependency; the same split regexes, for text with unspellable bytes
 import tiktoken
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # bos: prepended once per conversation (None: nothing). header: opens a turn, {role} filled in.
 # eot: the end-of-turn special token, trained on assistant turns. after: text following eot, untrained.
@@ -31,6 +60,9 @@ TEMPLATES = {
 }
 ROLES = ("system", "user", "assistant")
 BYTE_SPECIALS = ["<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 256..260
+# the variables transformers passes every chat template (its special_tokens_map)
+TEMPLATE_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                      "mask_token")
 
 # split regexes (tiktoken's regex dialect, same as the Hugging Face tokenizers one for these)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -47,17 +79,13 @@ END_OF_TEXT = ["<|end_of_text|>", "<|eom_id|>", "<|endoftext|>"]
 
 class Tokenizer:
     """encode/decode plain text, render chats. Attributes: name ("byte" or the model folder),
-    template ("simple" | "llama3" | "chatml"), vocab_size, special_tokens {text: id}, eos_id (the
-    template's end-of-turn token), stop_ids (eos_id + the model's end-of-text tokens: generation
-    stops at any of them), bos_id (None for Qwen-style chatml)."""
+    template ("simple" | "llama3" | "chatml", or "model": the folder's own chat template), vocab_size,
+    special_tokens {text: id}, eos_id (the template's end-of-turn token), stop_ids (eos_id + the model's
+    end-of-text tokens: generation stops at any of them), bos_id (None for Qwen-style chatml)."""
 
-    def __init__(self, name, pat_str, mergeable_ranks, special_tokens, template, bos=None, nfc=False):
-        if template not in TEMPLATES:
-            raise ValueError(f"unknown chat template {template!r}; expected one of {list(TEMPLATES)}")
-        t = TEMPLATES[template]
-        for s in (t["bos"], t["eot"]):
-            if s is not None and s not in special_tokens:
-                raise ValueError(f"template {template!r} needs special token {s!r}, which {name} lacks")
+    def __init__(self, name, pat_str, mergeable_ranks, special_tokens, template, bos=None, nfc=False,
+                 unk=None, fuse_unk=False, chat_template=None):
+        """chat_template: (jinja source, variables, where) of the folder's own template, for "model"."""
         try:
             self.enc = tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=mergeable_ranks,
                                          special_tokens=special_tokens)
@@ -68,45 +96,99 @@ class Tokenizer:
         self.special_tokens = dict(special_tokens)  # text -> id
         self.vocab_size = self.enc.n_vocab
         self.nfc = nfc  # Qwen2's tokenizer.json NFC-normalizes text before splitting
-        self.eos_id = special_tokens[t["eot"]]
-        self.stop_ids = [self.eos_id] + [special_tokens[s] for s in END_OF_TEXT if s in special_tokens]
-        bos = t["bos"] or bos
-        self.bos_id = special_tokens.get(bos) if bos else None
+        # tokenizers finds added tokens in text leftmost-longest; so does this alternation, longest first
+        longest_first = sorted(special_tokens, key=len, reverse=True)
+        self._special_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!): no match
+        missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
+        self._missing_re, self._split_re = None, None  # runs of bytes the vocab lacks; tiktoken's split
+        if missing:
+            self._missing_re = re.compile(b"([%s]+)" % b"".join(b"\\x%02x" % b for b in missing))
+            self._split_re = regex.compile(pat_str)
+        self.unk_id, self.fuse_unk = unk, fuse_unk  # what tokenizers emits for a byte it cannot spell
         self._trusted_cache = {}
+        if template == "model":
+            if chat_template is None:
+                raise ValueError(f"{name}: template 'model' asks for the folder's own chat template, and it "
+                                 f"has none (no chat_template.jinja, no \"chat_template\" in "
+                                 f"tokenizer_config.json)")
+            self.template_source, self.template_vars, self.template_where = chat_template
+            self.chat_template = compile_chat_template(self.template_source, self.template_where)
+            # caches of tokenized data and reference log-probs are keyed by the template's text, not its name
+            digest = hashlib.sha256(json.dumps([self.template_source, self.template_vars], sort_keys=True,
+                                               default=str).encode()).hexdigest()[:12]
+            self.template_id = f"model-{digest}"
+            self.eos_id = self._find_end_of_turn()
+        elif template in TEMPLATES:
+            self.template_id = template
+            t = TEMPLATES[template]
+            for s in (t["bos"], t["eot"]):
+                if s is not None and s not in special_tokens:
+                    raise ValueError(f"template {template!r} needs special token {s!r}, which {name} lacks")
+            self.eos_id = special_tokens[t["eot"]]
+            bos = t["bos"] or bos
+        else:
+            raise ValueError(f"unknown chat template {template!r}; expected 'model' (the folder's own) or "
+                             f"one of {list(TEMPLATES)}")
+        self.stop_ids = [self.eos_id] + [special_tokens[s] for s in END_OF_TEXT
+                                         if s in special_tokens and special_tokens[s] != self.eos_id]
+        self.bos_id = special_tokens.get(bos) if bos else None
+
+    # ----------------------------------------------------------------------------------------------
+    # plain text
 
     def encode(self, text):
         """Plain text -> ids. Special-token text is encoded as ordinary text, never as a special."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
-        return self.enc.encode_ordinary(text)
+        if self._missing_re is None:
+            return self.enc.encode_ordinary(text)
+        data = utf8(text)
+        if not self._missing_re.search(data):
+            return self.enc.encode_ordinary(text)
+        pieces = self._split_re.findall(data.decode())  # as tiktoken would cut the text
+        return [t for piece in pieces for t in self._encode_piece(piece.encode())]
+
+    def _encode_piece(self, piece):
+        """One regex piece holding bytes the vocab lacks, as tokenizers' BPE does it: the bytes are
+        dropped and the rest merged as one word; with an unk token, each byte (each run with fuse_unk)
+        becomes unk and the parts between are merged separately."""
+        parts = self._missing_re.split(piece)  # kept, missing run, kept, ..., kept
+        if self.unk_id is None:
+            kept = b"".join(parts[0::2])
+            return self.enc._encode_single_piece(kept) if kept else []  # BPE of one piece, no split
+        ids = []
+        for i, part in enumerate(parts):
+            if i % 2:
+                ids += [self.unk_id] * (1 if self.fuse_unk else len(part))
+            elif part:
+                ids += self.enc._encode_single_piece(part)
+        return ids
+
+    def _spelled(self, text):
+        """How many bytes the tokens of encode(text) spell (a dropped byte 0, an unk token 1)."""
+        if self.nfc:
+            text = unicodedata.normalize("NFC", text)
+        data = utf8(text)
+        if self._missing_re is None:
+            return len(data)
+        parts = self._missing_re.split(data)
+        dropped = [0 if self.unk_id is None else 1 if self.fuse_unk else len(p) for p in parts[1::2]]
+        return sum(map(len, parts[0::2])) + sum(dropped)
 
     def decode(self, ids):
         return self.enc.decode(list(ids), errors="replace")
 
-    def _trusted(self, s):
-        # template strings (ours, not the user's) may contain special tokens
-        if s not in self._trusted_cache:
-            self._trusted_cache[s] = self.enc.encode(s, allowed_special="all") if s else []
-        return self._trusted_cache[s]
+    # ----------------------------------------------------------------------------------------------
+    # chats
 
     def render(self, messages):
         """[{"role", "content"}, ...] -> (ids, loss_mask), two lists of equal length."""
-        t = TEMPLATES[self.template]
-        ids = self._trusted(t["bos"] or "")[:]
-        mask = [0] * len(ids)
-        for m in messages:
-            if m["role"] not in ROLES:
-                raise ValueError(f"unknown role {m['role']!r}; expected one of {ROLES}")
-            header = self._trusted(t["header"].format(role=m["role"]))
-            body = self.encode(m["content"]) + [self.eos_id]
-            after = self._trusted(t["after"])
-            trained = int(m["role"] == "assistant")
-            ids += header + body + after
-            mask += [0] * len(header) + [trained] * len(body) + [0] * len(after)
-        return ids, mask
+        return self._render(messages)
 
     def render_prompt(self, messages):
-        """The ids to feed for generation: the conversation so far + an open assistant header."""
+        """The ids to feed for generation: the conversation so far + an open assistant turn."""
+        if self.template == "model":
+            return self._render(messages, add_generation_prompt=True)[0]
         header = TEMPLATES[self.template]["header"].format(role="assistant")
         return self.render(messages)[0] + self._trusted(header)
 
@@ -117,12 +199,125 @@ class Tokenizer:
         def turns(x, role):
             return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
         prompt = turns(prompt, "user")
-        n = len(self.render(prompt)[0])  # a rendering is per-message, so the prompt is a prefix
+        return tuple(self._render(prompt + turns(response, "assistant"), trained_from=len(prompt))
+                     for response in (chosen, rejected))
 
-        def side(response):
-            ids, mask = self.render(prompt + turns(response, "assistant"))
-            return ids, [0] * n + mask[n:]
-        return side(chosen), side(rejected)
+    def _render(self, messages, add_generation_prompt=False, trained_from=0):
+        for m in messages:
+            if m["role"] not in ROLES:
+                raise ValueError(f"unknown role {m['role']!r}; expected one of {ROLES}")
+        if self.template == "model":
+            return self._render_model(messages, add_generation_prompt, trained_from)
+        t = TEMPLATES[self.template]
+        ids = self._trusted(t["bos"] or "")[:]
+        mask = [0] * len(ids)
+        for i, m in enumerate(messages):
+            header = self._trusted(t["header"].format(role=m["role"]))
+            body = self.encode(m["content"]) + [self.eos_id]
+            after = self._trusted(t["after"])
+            trained = int(m["role"] == "assistant" and i >= trained_from)
+            ids += header + body + after
+            mask += [0] * len(header) + [trained] * len(body) + [0] * len(after)
+        return ids, mask
+
+    def _trusted(self, s):
+        # built-in template strings (ours, not the user's) may contain special tokens
+        if s not in self._trusted_cache:
+            self._trusted_cache[s] = self.enc.encode(s, allowed_special="all") if s else []
+        return self._trusted_cache[s]
+
+    def _chat(self, messages, add_generation_prompt=False):
+        """The folder's chat template rendered with the arguments transformers gives it."""
+        try:
+            return self.chat_template.render(messages=messages, tools=None, documents=None,
+                                             add_generation_prompt=add_generation_prompt,
+                                             **self.template_vars)
+        except jinja2.TemplateError as e:  # raise_exception(...) in the template, an undefined name, ...
+            raise ValueError(f"{self.template_where}: the template cannot render this conversation: "
+                             f"{' '.join(str(e).split())}") from None
+
+    def _render_model(self, messages, add_generation_prompt, trained_from):
+        """The folder's own template: the text transformers renders, tokenized as transformers tokenizes
+        it, and the mask by the rule at the top of this file."""
+        # special-token text in a message is wrapped in two private-use characters before rendering
+        # (as transformers' sanitize_control_tokens does), so that it can be told from the template's
+        seen = "".join(m["content"] for m in messages) + self.template_source
+        left, right, mark = itertools.islice((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in seen), 3)
+        messages = [dict(role=m["role"], content=self._special_re.sub(lambda t: left + t[0] + right,
+                                                                      m["content"])) for m in messages]
+        text = self._chat(messages, add_generation_prompt)
+        spans = []  # where each trained reply is in text
+        for i, m in enumerate(messages):
+            if m["role"] == "assistant" and i >= trained_from:
+                span = self._locate(text, messages, i, add_generation_prompt, mark)
+                if span and spans and span[0] < spans[-1][1]:
+                    raise ValueError(f"{self.template_where}: the template does not write the replies once "
+                                     f"each and in order, so the trained tokens cannot be told apart")
+                spans += [span] if span else []  # None: the template does not write this reply
+        pieces = self._pieces(text, left, right)
+        trained = []  # char ranges: a reply, through the special token right after it (the end of turn)
+        for s, e in spans:
+            eot = next((p for p in pieces if p[2] is not None and p[0] >= e), None)
+            ends_turn = eot is not None and not text[e:eot[0]].strip()
+            trained.append((s, eot[1] if ends_turn else e))
+        ids, mask = [], []
+        for a, b, special in pieces:
+            if special is not None:
+                ids.append(special)
+                mask.append(int(any(s <= a and b <= e for s, e in trained)))
+            elif a < b:
+                piece_ids = self.encode(text[a:b])
+                ids += piece_ids
+                inside = [(s - a, e - a) for s, e in trained if s < b and e > a]
+                mask += self._overlaps(text[a:b], piece_ids, inside)
+        return ids, mask
+
+    def _locate(self, text, messages, i, add_generation_prompt, mark):
+        """(start, end) of message i's content in text: the one place where a rendering with that
+        content replaced by a character the text lacks differs from text."""
+        other = self._chat(messages[:i] + [dict(messages[i], content=mark)] + messages[i + 1:],
+                           add_generation_prompt)
+        if mark not in other:
+            return None
+        start = common_prefix_len(text, other)
+        end = len(text) - common_prefix_len(text[::-1], other[::-1])
+        return start, max(start, end)
+
+    def _pieces(self, text, left, right):
+        """How transformers cuts a rendered chat before encoding each piece -> [(start, end, special id
+        or None)]: at the special tokens the template wrote, and around special-token text from a
+        message (marked left...right), which is a piece of plain text of its own."""
+        pieces, pos = [], 0
+        marked = re.finditer(f"{left}({self._special_re.pattern}){right}|[{left}{right}]", text)
+        for m in itertools.chain(marked, [None]):
+            stop = m.start() if m else len(text)
+            for t in self._special_re.finditer(text, pos, stop):
+                pieces += [(pos, t.start(), None), (t.start(), t.end(), self.special_tokens[t[0]])]
+                pos = t.end()
+            pieces.append((pos, stop, None))
+            if m and m[1]:  # marked text; a lone marker (the template split marked text) only cuts
+                pieces.append((m.start(1), m.end(1), None))
+            pos = m.end() if m else stop
+        return pieces
+
+    def _overlaps(self, seg, ids, ranges):
+        """1 for each token of ids = encode(seg) that holds a character of one of ranges (char offsets)."""
+        if not ranges:
+            return [0] * len(ids)
+        sizes = [1 if t == self.unk_id else len(b) for t, b in zip(ids, self.enc.decode_tokens_bytes(ids))]
+        ends = list(itertools.accumulate(sizes))
+        at = [(self._spelled(seg[:max(s, 0)]), self._spelled(seg[:e])) for s, e in ranges]
+        return [int(any(a < end and end - size < b for a, b in at)) for size, end in zip(sizes, ends)]
+
+    def _find_end_of_turn(self):
+        """The special token the template writes right after an assistant reply: what ends a turn."""
+        mark = "\ue000"
+        text = self._chat([dict(role="user", content="Hi"), dict(role="assistant", content=mark)])
+        eot = self._special_re.search(text, text.find(mark) + 1) if mark in text else None
+        if eot is None:
+            raise ValueError(f"{self.template_where}: the template writes no special token after an "
+                             f"assistant reply, so nanopack cannot tell where a turn ends")
+        return self.special_tokens[eot.group()]
 
     # ----------------------------------------------------------------------------------------------
     # constructors
@@ -135,7 +330,7 @@ class Tokenizer:
         return cls("byte", r"\s+|\S+", ranks, specials, "simple")
 
     @classmethod
-    def from_tiktoken_file(cls, path, template="llama3"):
+    def from_tiktoken_file(cls, path, template="llama3", chat_template=None):
         """A Llama-3 style tokenizer.model: one '<base64 token> <rank>' line per token."""
         ranks = {}
         with open(path, "rb") as f:
@@ -152,42 +347,49 @@ class Tokenizer:
         names = LLAMA3_SPECIALS + [f"<|reserved_special_token_{i}|>"
                                    for i in range(2, 2 + LLAMA3_NUM_SPECIALS - len(LLAMA3_SPECIALS))]
         specials = {s: len(ranks) + i for i, s in enumerate(names)}
-        return cls(os.path.dirname(os.path.abspath(path)), LLAMA3_PATTERN, ranks, specials, template)
+        return cls(os.path.dirname(os.path.abspath(path)), LLAMA3_PATTERN, ranks, specials, template,
+                   bos="<|begin_of_text|>", chat_template=chat_template)
 
     @classmethod
-    def from_hf_json(cls, path, template=None, chat_template="", bos=None):
-        """A Hugging Face tokenizer.json holding a byte-level BPE, converted to tiktoken ranks. Without
-        a template, it is guessed from chat_template (the model's Jinja text) or the added tokens."""
+    def from_hf_json(cls, path, template=None, chat_template=None, bos=None):
+        """A Hugging Face tokenizer.json holding a byte-level BPE, converted to tiktoken ranks.
+        chat_template: (source, variables, where) of the folder's own template, used when template is
+        None (or "model"); without one, a built-in format is guessed from the added tokens."""
         with open(path, encoding="utf-8") as f:
             tj = json.load(f)
         model = tj.get("model") or {}
 
-        def unsupported(why):
-            return ValueError(f"{path}: {why}. nanopack reads only byte-level BPE tokenizers "
+        def unsupported(key, why):
+            return ValueError(f"{path}: {key} {why}; nanopack reads only byte-level BPE tokenizers "
                               f"(GPT-2 / Llama-3 / Qwen2 / SmolLM2 style)")
         if model.get("type") != "BPE":
-            raise unsupported(f"the model is {model.get('type')!r}, not byte-level BPE")
-        if any(model.get(k) for k in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix")):
-            raise unsupported("this BPE uses byte_fallback or subword prefixes/suffixes (SentencePiece "
-                              "style), not byte-level BPE")
+            raise unsupported("model.type", f"is {model.get('type')!r}, not byte-level BPE")
+        for key in ("byte_fallback", "continuing_subword_prefix", "end_of_word_suffix", "dropout"):
+            if model.get(key):  # SentencePiece-style BPE, or random merges (dropout)
+                raise unsupported(f"model.{key}", f"is {model[key]!r}: not a plain byte-level BPE")
         normalizer = (tj.get("normalizer") or {}).get("type")
         if normalizer not in (None, "NFC"):
-            raise unsupported(f"normalizer {normalizer!r} is not supported (only none or NFC)")
+            raise unsupported("normalizer", f"{normalizer!r} is not supported (only none or NFC)")
         pat_str = split_regex(tj.get("pre_tokenizer"), unsupported)
+        added = {}
+        for t in tj.get("added_tokens", []):
+            flags = [k for k in ("lstrip", "rstrip", "single_word") if t.get(k)]
+            if flags:  # these change how tokenizers cuts text around the token
+                raise unsupported("added_tokens", f"entry {t['content']!r} sets {flags[0]}, not supported")
+            added[t["content"]] = t["id"]
 
         # the vocab spells each token's bytes with GPT-2's printable byte-to-unicode alphabet
         byte_of = {c: b for b, c in bytes_to_unicode().items()}
-        added = {t["content"]: t["id"] for t in tj.get("added_tokens", [])}
         ranks = {}
         for token, rank in model["vocab"].items():
             if added.get(token) == rank:
                 continue  # an added/special token, kept out of BPE merging
             if any(c not in byte_of for c in token):
-                raise unsupported(f"vocab entry {token!r} is not spelled in the GPT-2 byte alphabet")
+                raise unsupported("model.vocab", f"entry {token!r} is not spelled in the GPT-2 byte alphabet")
             ranks[bytes(byte_of[c] for c in token)] = rank
-        missing = [b for b in range(256) if bytes([b]) not in ranks]
-        if missing:
-            raise unsupported(f"{len(missing)} of the 256 single bytes are missing from the vocab")
+        unk = model.get("unk_token")
+        if unk is not None and unk not in model["vocab"] and any(bytes([b]) not in ranks for b in range(256)):
+            raise unsupported("model.unk_token", f"{unk!r} is not in the vocab, and missing bytes need it")
 
         # tiktoken applies, at each step, the merge whose *result* has the lowest id; Hugging Face
         # applies the merge listed first. They agree only if results never go down the merge list.
@@ -196,15 +398,17 @@ class Tokenizer:
             a, b = merge.split(" ") if isinstance(merge, str) else merge
             rank = model["vocab"].get(a + b)
             if rank is None or rank < prev:
-                raise ValueError(f"{path}: merges are not consistent with rank order (merge #{i} "
+                raise ValueError(f"{path}: model.merges are not consistent with rank order (merge #{i} "
                                  f"{a!r} + {b!r} gives id {rank}, after a merge giving id {prev}), so "
                                  f"this BPE cannot be expressed as tiktoken ranks")
             prev = rank
         bpe_ids = set(ranks.values())
         specials = {s: i for s, i in added.items() if i not in bpe_ids}
-        template = template or guess_template(chat_template, specials, path)
+        if template is None:
+            template = "model" if chat_template else guess_template(specials, path)
         return cls(os.path.dirname(os.path.abspath(path)), pat_str, ranks, specials, template, bos=bos,
-                   nfc=normalizer == "NFC")
+                   nfc=normalizer == "NFC", unk=model["vocab"].get(unk) if unk is not None else None,
+                   fuse_unk=bool(model.get("fuse_unk")), chat_template=chat_template)
 
     @staticmethod
     def has_files(path):
@@ -213,25 +417,21 @@ class Tokenizer:
     @classmethod
     def from_dir(cls, path, template=None):
         """A model folder. Prefers tokenizer.json; falls back to a Llama-3 tiktoken tokenizer.model.
-        The template is read from tokenizer_config.json / chat_template.jinja unless given."""
+        template None: the folder's own chat template if it has one, else a guessed built-in one."""
+        config_path = os.path.join(path, "tokenizer_config.json")
         config = {}
-        if os.path.exists(os.path.join(path, "tokenizer_config.json")):
-            with open(os.path.join(path, "tokenizer_config.json"), encoding="utf-8") as f:
+        if os.path.exists(config_path):
+            with open(config_path, encoding="utf-8") as f:
                 config = json.load(f)
-        chat_template = config.get("chat_template") or ""
-        if isinstance(chat_template, list):  # named templates: [{"name", "template"}, ...]
-            chat_template = " ".join(t.get("template", "") for t in chat_template)
-        if os.path.exists(os.path.join(path, "chat_template.jinja")):
-            with open(os.path.join(path, "chat_template.jinja"), encoding="utf-8") as f:
-                chat_template += f.read()
-        bos = config.get("bos_token")
-        bos = bos.get("content") if isinstance(bos, dict) else bos
+        chat_template = read_chat_template(path, config)
+        bos = token_text(config.get("bos_token"))
 
         json_path, model_path = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
         if os.path.exists(json_path):
             return cls.from_hf_json(json_path, template, chat_template, bos)
         if os.path.exists(model_path):
-            return cls.from_tiktoken_file(model_path, template or "llama3")
+            template = template or ("model" if chat_template else "llama3")
+            return cls.from_tiktoken_file(model_path, template, chat_template)
         raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model in this folder")
 
 
@@ -241,14 +441,94 @@ def get_tokenizer(spec, template=None):
     return Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_dir(spec, template)
 
 
-def guess_template(chat_template, special_tokens, where):
-    for text in (chat_template, " ".join(special_tokens)):  # the model's own template wins
-        if "<|start_header_id|>" in text:
-            return "llama3"
-        if "<|im_start|>" in text:
-            return "chatml"
-    raise ValueError(f"{where}: cannot tell the chat format (no Llama-3 header or <|im_start|> token); "
-                     f"pass template= one of {list(TEMPLATES)}")
+def common_prefix_len(a, b):
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # halving, so that the comparing runs in C
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
+    return lo
+
+
+def utf8(text):
+    try:
+        return text.encode("utf-8")
+    except UnicodeEncodeError:  # lone surrogates: replaced, as tiktoken's encode does
+        return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
+
+
+def token_text(token):
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    return token.get("content") if isinstance(token, dict) else token
+
+
+def read_chat_template(folder, config):
+    """The folder's own chat template as transformers picks it: chat_template.jinja, else
+    tokenizer_config.json's "chat_template" (a string, or named templates of which "default" is used)
+    -> (source, variables, where) or None. variables: the special tokens the template may use."""
+    where = os.path.join(folder, "chat_template.jinja")
+    if os.path.exists(where):
+        with open(where, encoding="utf-8") as f:
+            source = f.read()
+    else:
+        where = os.path.join(folder, "tokenizer_config.json") + ' "chat_template"'
+        source = config.get("chat_template") or None
+        if isinstance(source, list):
+            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
+            if "default" not in named:
+                raise ValueError(f"{where}: named templates {sorted(map(str, named))} and none called "
+                                 f"'default', so it is not clear which one to use")
+            source = named["default"]
+        if source is None:
+            return None
+        if not isinstance(source, str):
+            raise ValueError(f"{where}: a {type(source).__name__}, not a template string or a list of "
+                             f"named templates")
+    variables = {k: token_text(config[k]) for k in TEMPLATE_VARIABLES if config.get(k) is not None}
+    return source, variables, where
+
+
+class GenerationBlock(jinja2.ext.Extension):
+    """{% generation %}...{% endgeneration %} (TRL marks assistant text with it): renders its body."""
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+def compile_chat_template(source, where):
+    """A chat template compiled the way transformers compiles it (chat_template_utils.py): a sandbox
+    that cannot reach Python internals, trim_blocks + lstrip_blocks, {% break %}/{% continue %}, and
+    the globals raise_exception / strftime_now and a tojson that does not escape HTML."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols, GenerationBlock])
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.TemplateSyntaxError as e:  # also an unknown tag or filter: a feature we do not provide
+        raise ValueError(f"{where}: line {e.lineno}: {' '.join(str(e.message).split())} (nanopack "
+                         f"compiles templates as transformers does: jinja2 with loopcontrols, tojson, "
+                         f"raise_exception, strftime_now)") from None
+
+
+def guess_template(special_tokens, where):
+    """The built-in format whose special tokens a tokenizer without a chat template has."""
+    if "<|start_header_id|>" in special_tokens:
+        return "llama3"
+    if "<|im_start|>" in special_tokens:
+        return "chatml"
+    raise ValueError(f"{where}: no chat template in the folder and cannot tell the chat format (no Llama-3 "
+                     f"header or <|im_start|> token); pass template= one of {list(TEMPLATES)}")
 
 
 def split_regex(pre, unsupported):
@@ -257,7 +537,7 @@ def split_regex(pre, unsupported):
     kinds = [s.get("type") for s in steps]
     byte_level = steps[-1] if kinds[-1:] == ["ByteLevel"] else None
     if byte_level is None or byte_level.get("add_prefix_space"):
-        raise unsupported(f"pre-tokenizer {kinds} does not end in ByteLevel without add_prefix_space")
+        raise unsupported("pre_tokenizer", f"{kinds} does not end in ByteLevel without add_prefix_space")
     use_regex = byte_level.get("use_regex", True)
     if kinds == ["ByteLevel"] and use_regex:  # GPT-2
         return GPT2_PATTERN
@@ -265,7 +545,7 @@ def split_regex(pre, unsupported):
         split = steps[0]
         pat = split.get("pattern", {}).get("Regex")
         if pat is None or split.get("behavior") != "Isolated" or split.get("invert"):
-            raise unsupported(f"Split pre-tokenizer {split} is not an isolated, non-inverted regex")
+            raise unsupported("pre_tokenizer", f"Split {split} is not an isolated, non-inverted regex")
         # Hugging Face keeps the text between matches as its own pieces; tiktoken would drop it,
         # so the second alternative matches such a stretch (a no-op for patterns that cover all text)
         return f"{pat}|(?:(?!(?:{pat}))[\\s\\S])+"
@@ -275,7 +555,7 @@ def split_regex(pre, unsupported):
         # matched whole (the stretch-end (?!\S) lookahead would otherwise keep its last space back).
         digits = r"\p{N}" if steps[0].get("individual_digits") else r"\p{N}+"
         return GPT2_PATTERN.replace(r" ?\p{N}+", digits).replace(r"\s+(?!\S)", r"\s+(?=\p{N})|\s+(?!\S)")
-    raise unsupported(f"pre-tokenizer {kinds} cannot be expressed as one tiktoken split regex")
+    raise unsupported("pre_tokenizer", f"{kinds} cannot be expressed as one tiktoken split regex")
 
 
 def bytes_to_unicode():

@@ -160,7 +160,7 @@ def prepare_builtin(out_dir, tokenizer="byte", kind="sft", n_train=20_000, n_val
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         with open(os.path.join(out_dir, "meta.json")) as f:
             meta = json.load(f)
-        wanted = dict(settings, tokenizer=tok.name, template=tok.template)
+        wanted = dict(settings, tokenizer=tok.name, template=tok.template_id)
         if all(meta.get(k) == v for k, v in wanted.items()):
             return meta
     make = dict(sft=sft_examples, dpo=dpo_examples)[kind]

@@ -152,7 +152,10 @@ def parse(record, where):
 def tokenize(tok, kind, example, where, max_len, overlong):
     """-> (sequences, status): sequences is [(ids, mask)] (SFT) or [chosen, rejected] (DPO), or None
     when skipped; status is "ok", "truncated" or "skipped"."""
-    seqs = [tok.render(example)] if kind == "sft" else list(tok.render_pair(*example))
+    try:
+        seqs = [tok.render(example)] if kind == "sft" else list(tok.render_pair(*example))
+    except ValueError as e:  # a model's own chat template refused the conversation (raise_exception)
+        raise DataError(f"{where}: {e}") from None
     longest = max(len(ids) for ids, _ in seqs)
     if longest <= max_len:
         return seqs, "ok"
@@ -249,7 +252,7 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
     for c in counts.values():
         c["examples"] = c["sequences"] // per_example  # DPO: pairs
     q = np.percentile(lengths, [0, 50, 99, 100]).round().astype(int).tolist() if lengths else [0] * 4
-    meta = dict(kind=kind, tokenizer=tok.name, template=tok.template, vocab_size=tok.vocab_size,
+    meta = dict(kind=kind, tokenizer=tok.name, template=tok.template_id, vocab_size=tok.vocab_size,
                 bos_id=tok.bos_id, eos_id=tok.eos_id, dtype=np.dtype(writers["train"].dtype).name,
                 max_len=max_len, overlong=overlong, truncated=status_counts["truncated"],
                 skipped=status_counts["skipped"], counts=counts, length_min_median_p99_max=q,
