@@ -134,6 +134,7 @@ class Run:
     loader: PackedLoader
     iter_num: int              # optimizer steps already taken (resume)
     max_iters: int
+    out_dir: str
     ckpt_path: str
     saved: dict                # the script's own extras from the checkpoint being resumed ({} otherwise)
     max_bad_steps: int
@@ -181,7 +182,8 @@ class Run:
 
 class StopSignal:
     """SIGINT (Ctrl-C) or SIGTERM (a cluster's preemption) asks the run to stop after the current step with a
-    checkpoint. A second SIGINT stops at once; a SIGTERM after a SIGINT (torchrun passes Ctrl-C on) does not."""
+    checkpoint. A second SIGINT stops at once; a SIGTERM after a SIGINT (torchrun passes Ctrl-C on) does not.
+    Under torchrun the workers exit 0 with their checkpoint; the launcher itself exits 1 on a signal."""
 
     def __init__(self):
         self.name = None
@@ -191,7 +193,7 @@ class StopSignal:
     def handle(self, signum, frame):
         name = signal.Signals(signum).name
         if self.name == "SIGINT" and name == "SIGINT":
-            raise KeyboardInterrupt
+            raise SystemExit("second SIGINT: stopped at once, without a checkpoint")
         self.name = self.name or name
         # os.write, not print: a print inside a signal handler can interrupt a print and raise "reentrant call"
         os.write(2, f"rank {os.environ.get('RANK', 0)}: {name}: stopping after this step with a checkpoint\n".encode())
@@ -218,8 +220,12 @@ def check_config(c, kind, choices):
         if key in c and c[key] < low:
             bad(key, f"it must be at least {low}")
     for key in ("learning_rate", "epochs", "beta"):
-        if key in c and not c[key] > 0:
-            bad(key, "it must be greater than 0")
+        if key in c and not 0 < c[key] < math.inf:
+            bad(key, "it must be a finite number greater than 0")
+    if c["min_lr"] > c["learning_rate"]:
+        bad("min_lr", f"it must not exceed learning_rate={c['learning_rate']} (the schedule decays to it)")
+    if not 0 <= c["seed"] < 2**32:
+        bad("seed", "it must be in [0, 2**32)")
     if not 0.0 <= c["val_fraction"] < 1.0:
         bad("val_fraction", "it must be in [0, 1)")
     if kind == "dpo" and (c["label_smoothing"] >= 0.5 or (c["label_smoothing"] and c["loss_type"] in ("ipo", "hinge"))):
@@ -263,10 +269,13 @@ def setup(config, kind, builtin_sizes=None, choices=None):
     resume = c["init_from"] == "resume"
     ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
     ckpt = load_checkpoint(ckpt_path) if resume else None
-    os.makedirs(c["out_dir"], exist_ok=True)
+    if c["overwrite"] and not resume and rank == 0:  # start over: nothing of the previous run may pass for ours
+        for old in (ckpt_path, os.path.join(c["out_dir"], "hf")):
+            shutil.rmtree(old) if os.path.isdir(old) else os.path.exists(old) and os.remove(old)
 
     if resume:  # a resumed run continues with the data, tokenizer and initial weights of the run it continues
-        tok, data_dir, start = choose_tokenizer(ckpt["tokenizer"], "resume"), ckpt["data_dir"], ckpt["start"]
+        tok, start = choose_tokenizer(ckpt["tokenizer"], "resume"), ckpt["start"]
+        data_dir = os.path.join(c["out_dir"], ckpt["data_dir"])  # relative: the run folder's own data
         model_config = ModelConfig(**ckpt["model_config"])
     else:
         start = dict(init_from=c["init_from"], preset=c["preset"])
@@ -280,6 +289,8 @@ def setup(config, kind, builtin_sizes=None, choices=None):
         raw_model = Transformer(model_config) if resume else initial_model(start, tok, c["seed"])
     except (ValueError, OSError, KeyError) as e:  # a model folder we cannot read: what and where, in one line
         raise SystemExit(f"model error: {e}") from None
+    if not resume and not all_finite(raw_model):
+        raise SystemExit(f"model error: {start['init_from']} holds NaN or infinite weights; nothing to train from")
     raw_model.to(device)
     raw_model.activation_checkpointing = c["activation_checkpointing"]
     compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
@@ -302,13 +313,18 @@ def setup(config, kind, builtin_sizes=None, choices=None):
         loader.load_state_dict(ckpt["loader"])
         iter_num, saved = ckpt["iter_num"], ckpt["extra"]
     n_units = len(loader.lengths)
+    if c["batch_size"] > n_units:
+        print0(f"note: batch_size={c['batch_size']} is more than the {n_units} train "
+               f"{'pairs' if kind == 'dpo' else 'examples'}: each step takes all of them")
+    if iter_num >= max_iters:
+        print0(f"note: the run is already at iter {iter_num}, max_iters={max_iters}: nothing to train (raise max_iters)")
     print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters | data: {data_dir}, {n_units} train "
            f"{'pairs' if kind == 'dpo' else 'examples'}, {len(loader)} steps/epoch | world size {world_size} "
            f"({c['parallel']}) | device {device}, {dtype} | {max_iters} iterations")
     return Run(rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
                raw_model=raw_model, optimizer=optimizer, loader=loader, iter_num=iter_num, max_iters=max_iters,
-               ckpt_path=ckpt_path, saved=saved, max_bad_steps=c["max_bad_steps"], stop=StopSignal())
+               out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved, max_bad_steps=c["max_bad_steps"], stop=StopSignal())
 
 
 def initial_config(start, tok):
@@ -466,7 +482,7 @@ def save_checkpoint(run, loader_state, config, extra, evaluation=None):
         tmp = run.ckpt_path + ".tmp"
         torch.save(dict(model=model_sd, optimizer=optim_sd, rng=rng_state(), model_config=asdict(run.raw_model.config),
                         iter_num=run.iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
-                        data_dir=run.data_dir, start=run.start, extra=extra), tmp)
+                        data_dir=portable(run.data_dir, run.out_dir), start=run.start, extra=extra), tmp)
         os.replace(tmp, run.ckpt_path)
     if dist.is_initialized():
         dist.barrier()
@@ -480,6 +496,13 @@ def all_finite(model):
     if dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
     return bool(ok.item())
+
+
+def portable(path, out_dir):
+    """A path as a checkpoint stores it: relative to the run's folder when inside it (out_dir/data), so a run
+    folder that is copied or moved resumes with its own data; absolute otherwise."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(out_dir))
+    return rel if not rel.startswith("..") else os.path.abspath(path)
 
 
 def load_checkpoint(path):
@@ -553,17 +576,28 @@ def peak_flops(device):
 class MetricsLogger:
     """One JSON object per line in out_dir/metrics.jsonl, and the same to wandb when asked (rank 0 only)."""
 
-    def __init__(self, out_dir, wandb_log=False, wandb_project="nanopack", run_name=None, config=None, resume=False):
+    def __init__(self, out_dir, wandb_log=False, wandb_project="nanopack", run_name=None, config=None, resume_iter=None):
+        """resume_iter: the checkpoint's step when resuming: the log is kept up to it (rows a killed run wrote past
+        its last checkpoint are dropped, so no step appears twice) and appended to; None: a fresh log."""
         self.active = int(os.environ.get("RANK", 0)) == 0
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.wandb = None
         if self.active:
             os.makedirs(out_dir, exist_ok=True)
-            if not resume and os.path.exists(self.path):
-                os.remove(self.path)  # a fresh run starts a fresh log; a resumed one appends
+            kept = []
+            if resume_iter is not None and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line).get("iter", 0) <= resume_iter]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
             if wandb_log:
-                import wandb  # optional, so imported only when asked for; WANDB_MODE=offline needs no network
-                self.wandb = wandb.init(project=wandb_project, name=run_name, config=config)
+                try:
+                    import wandb  # optional, so imported only when asked for; WANDB_MODE=offline needs no network
+                    self.wandb = wandb.init(project=wandb_project, name=run_name, config=config)
+                except Exception as e:  # not installed, not logged in, no network: one line, before any training
+                    raise SystemExit(f"wandb_log=True, but wandb cannot start ({type(e).__name__}: {e}); "
+                                     f"`pip install wandb` and `wandb login`, or WANDB_MODE=offline") from None
 
     def log(self, metrics):
         if not self.active:

@@ -36,9 +36,12 @@ def _check(config, key, value, where):
         hint = f" (similar: {', '.join(close)})" if close else ""
         raise ConfigError(f"{where}: unknown config key {key!r}{hint}; the keys are the globals at the top of the script")
     default = config[key]
-    if default in (None, "auto") or value is None or isinstance(value, type(default)):
+    if default in (None, "auto"):
         return value  # None and 'auto' defaults take values of other types too; the script checks them
-    if isinstance(default, float) and isinstance(value, int) and not isinstance(value, bool):
+    same_kind = isinstance(value, bool) == isinstance(default, bool)  # True is an int to Python, not a batch size
+    if same_kind and isinstance(value, type(default)):
+        return value
+    if same_kind and isinstance(default, float) and isinstance(value, int):
         return float(value)
     raise ConfigError(f"{where}: {key}={value!r} is of type {type(value).__name__}, "
                       f"but {key} must be of type {type(default).__name__} (default {default!r})")

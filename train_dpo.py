@@ -20,7 +20,7 @@ import common
 import dpo
 from common import print0
 from configurator import configure
-from data.arithmetic import accuracy
+import data.arithmetic as builtin_task
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
@@ -64,7 +64,8 @@ model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.opti
 iter_num, max_iters, world_size = run.iter_num, run.max_iters, run.world_size
 reference_mode = reference if loss_type != "simpo" else "none"
 print0(f"DPO: {loss_type} loss, beta {beta}, reference {reference_mode}")
-logger = common.MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config, resume=init_from == "resume")
+logger = common.MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
+                              resume_iter=iter_num if init_from == "resume" else None)
 
 # ---- reference log-probs: computed once from the initial weights (or a live frozen copy of them)
 t_ref = time.perf_counter()
@@ -105,14 +106,15 @@ def evaluate():
         val_loss = losses.mean() - sft_weight * policy[:, 0].sum() / lengths_val[:, 0].sum()
         out.update(val_loss=val_loss.item(), val_reward_accuracy=(rewards_c > rewards_r).float().mean().item(),
                    val_reward_margin=(rewards_c - rewards_r).mean().item())
-    if data == "builtin" and eval_examples > 0:
+    if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the preferred style
         model.eval()
-        out["val_accuracy"] = accuracy(raw_model, run.tok, eval_examples, run.autocast,
-                                       sync_ranks=parallel == "fsdp" and world_size > 1)
+        out.update(builtin_task.evaluate(raw_model, run.tok, eval_examples, run.autocast,
+                                         sync_ranks=parallel == "fsdp" and world_size > 1))
         model.train()
     parts = [f"val loss {out['val_loss']:.4f} | val reward accuracy {100 * out['val_reward_accuracy']:.1f}% | "
              f"val margin {out['val_reward_margin']:.3f}"] if "val_loss" in out else []
-    parts += [f"val accuracy {100 * out['val_accuracy']:.1f}%"] if "val_accuracy" in out else []
+    parts += [f"val accuracy {100 * out['val_accuracy']:.1f}% | preferred (plain style) "
+              f"{100 * out['val_preferred']:.1f}%"] if "val_accuracy" in out else []
     if parts:
         print0(f"iter {iter_num}: " + " | ".join(parts))
         logger.log(dict(iter=iter_num, **out))
@@ -121,7 +123,7 @@ def evaluate():
 
 # ---- the loop
 results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
-accuracy_before = run.saved.get("accuracy_before", results.get("val_accuracy"))
+before = run.saved.get("before", {k: v for k, v in results.items() if k in ("val_accuracy", "val_preferred")})
 timer = common.Timer(device)
 # tokens, padding, FLOPs since the last log line; a live reference adds a forward pass (1/3 of fwd+bwd)
 meter = common.Throughput(raw_model, device, world_size, flops_factor=4 / 3 if reference_mode == "live" else 1.0)
@@ -150,7 +152,7 @@ while iter_num < max_iters:
         chosen_targets_window += num_chosen_targets
 
     last = iter_num == max_iters
-    if iter_num % log_interval == 0 or last:
+    if iter_num % log_interval == 0 or last or stopping:  # a stop logs its partial window: no step goes unlogged
         elapsed = timer.lap() - eval_seconds
         eval_seconds, train_seconds = 0.0, train_seconds + elapsed
         n_steps, last_log_iter = iter_num - last_log_iter, iter_num
@@ -171,8 +173,8 @@ while iter_num < max_iters:
         logger.log(metrics)
         stats_acc.zero_()
         pairs_window = chosen_targets_window = 0
-    saved = dict(ref_key=ref_key, accuracy_before=accuracy_before)
-    if stopping:
+    saved = dict(ref_key=ref_key, before=before)
+    if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
         common.save_checkpoint(run, step.state, config, extra=saved)
         logger.finish()
         run.stopped(out_dir)
@@ -183,8 +185,9 @@ while iter_num < max_iters:
         eval_seconds += time.perf_counter() - t_eval
 
 print0(f"time: reference log-probs {ref_cache_seconds:.1f}s, training {train_seconds:.1f}s")
-if accuracy_before is not None and "val_accuracy" in results:
-    print0(f"held-out exact-match accuracy: {100 * accuracy_before:.1f}% before DPO -> "
-           f"{100 * results['val_accuracy']:.1f}% after")
+if before and "val_accuracy" in results:
+    print0(f"held-out, greedy: preferred behaviour (plain style) {100 * before['val_preferred']:.1f}% -> "
+           f"{100 * results['val_preferred']:.1f}% | exact-match accuracy {100 * before['val_accuracy']:.1f}% -> "
+           f"{100 * results['val_accuracy']:.1f}% (before DPO -> after)")
 logger.finish()
 common.finish(run, out_dir)

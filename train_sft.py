@@ -18,7 +18,7 @@ import torch
 import common
 from common import print0
 from configurator import configure
-from data.arithmetic import accuracy
+import data.arithmetic as builtin_task
 from packing import make_batch, pack
 
 # -----------------------------------------------------------------------------
@@ -65,7 +65,8 @@ config = configure(globals(), finetune=dict(learning_rate=2e-5, min_lr=2e-6, war
 run = common.setup(config, "sft")
 model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.optimizer, run.loader, run.device
 iter_num, max_iters, world_size = run.iter_num, run.max_iters, run.world_size
-logger = common.MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config, resume=init_from == "resume")
+logger = common.MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
+                              resume_iter=iter_num if init_from == "resume" else None)
 
 
 def microbatch_loss(mb, normaliser):
@@ -100,12 +101,13 @@ def evaluate():
     if bins:  # an empty val split has no loss (setup said so), rather than a loss of 0
         total_loss, total_targets = common.all_reduce_sum([loss_sum.item(), n_targets], device)
         out["val_loss"] = total_loss / max(total_targets, 1)
-    if data == "builtin" and eval_examples > 0:
-        out["val_accuracy"] = accuracy(raw_model, run.tok, eval_examples, run.autocast,
-                                       sync_ranks=parallel == "fsdp" and world_size > 1)
+    if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the plain style
+        out.update(builtin_task.evaluate(raw_model, run.tok, eval_examples, run.autocast,
+                                         sync_ranks=parallel == "fsdp" and world_size > 1))
     model.train()
     parts = [f"val loss {out['val_loss']:.4f}"] if "val_loss" in out else []
-    parts += [f"val accuracy {100 * out['val_accuracy']:.1f}%"] if "val_accuracy" in out else []
+    parts += [f"val accuracy {100 * out['val_accuracy']:.1f}% | plain style {100 * out['val_preferred']:.1f}%"
+              ] if "val_accuracy" in out else []
     if parts:
         print0(f"iter {iter_num}: " + " | ".join(parts))
         logger.log(dict(iter=iter_num, **out))
@@ -139,7 +141,7 @@ while iter_num < max_iters:
         normaliser_window += normaliser
 
     last = iter_num == max_iters
-    if iter_num % log_interval == 0 or last:
+    if iter_num % log_interval == 0 or last or stopping:  # a stop logs its partial window: no step goes unlogged
         elapsed = timer.lap() - eval_seconds
         eval_seconds = 0.0
         n_steps, last_log_iter = iter_num - last_log_iter, iter_num
@@ -152,7 +154,7 @@ while iter_num < max_iters:
         logger.log(metrics)
         loss_acc.zero_()
         normaliser_window = 0
-    if stopping:
+    if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
         common.save_checkpoint(run, step.state, config, extra={})
         logger.finish()
         run.stopped(out_dir)

@@ -4,9 +4,9 @@ The built-in dataset: short arithmetic chats, generated deterministically, so th
 
     system:    Be concise.                      (in about 1 conversation out of 3)
     user:      What is 37+48?
-    assistant: 37+48 = 85
+    assistant: 37+48 = 85                       (the "plain" style: the equation and its result)
     user:      Now subtract 9 from that.        (follow-ups reuse the previous answer)
-    assistant: 85-9 = 76
+    assistant: Sure! 85-9 = 76                  (the "chatty" style: a filler word first)
 
 1 to 4 turns and several phrasings, so lengths really vary (about 25 to 300 bytes). Every conversation
 belongs either to train or to val (a hash of its text decides), so no val conversation is ever trained on.
@@ -16,9 +16,18 @@ unseen numbers. We measured that too: with problems held out instead, the ~1M-pa
 38% in the same budget (memorising, not generalising); learning arithmetic takes far more than minutes
 on a laptop CPU.
 
-DPO pairs: the prompt is a conversation up to its last question; chosen is the right answer,
-rejected a plausible wrong one (off by one, last two digits swapped, or the wrong operation).
-Accuracy: accuracy() answers the first val prompts greedily and checks each reply with score().
+Two answer styles, mixed at random turn by turn in the SFT data, so that after SFT the model answers in
+both and nothing in the data says which is wanted: the behaviour SFT leaves unspecified, which is what
+preference tuning is for (tone, format, brevity). The preference: plain, no filler. (A terse style, the
+result alone, was tried first: mixed into SFT it cut held-out accuracy from 88% to 28%, since the toy
+model then computes without writing the operands next to the result.)
+
+DPO pairs: the prompt is a conversation up to its last question; chosen is the right answer in the plain
+style. Rejected is, in 3 pairs out of 4, the right answer in the chatty style (the behaviour to unlearn),
+and in 1 out of 4 a plausible wrong answer in the plain style (off by one, last two digits swapped, the
+wrong operation), so that moving towards the style does not move away from being right.
+Evaluation: evaluate() answers the first val prompts greedily: exact-match accuracy (score()) and the
+preferred-behaviour rate (the share of plain replies, preferred()).
 
     python data/arithmetic.py    # print a few examples
 """
@@ -37,7 +46,7 @@ from data.prepare import write_token_files  # noqa: E402
 from sample import generate  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
-VERSION = "arithmetic-v3"  # part of the cache key: bump it when the generator changes
+VERSION = "arithmetic-v4"  # part of the cache key: bump it when the generator changes
 MAX_ADD = 30  # + and -: operands 0..MAX_ADD
 MAX_MUL = (9, 9)  # *: a in 2..9, b in 2..9
 MAX_FOLLOW_ADD = 9  # follow-ups add or subtract 1..9 from the previous answer
@@ -50,6 +59,7 @@ QUESTIONS = ["What is {a}{op}{b}?", "what is {a} {op} {b}?", "Compute {a}{op}{b}
 FOLLOW_UPS = {"+": ["Now add {b} to that.", "And plus {b}?"],
               "-": ["Now subtract {b} from that.", "Then take away {b}."],
               "*": ["Now multiply that by {b}.", "And times {b}?"]}
+STYLES = ("plain", "chatty")  # how an answer is written: "23+17 = 40" or "Sure! 23+17 = 40"
 SYSTEMS = ["You are a calculator. Reply with the equation and its result.", "You are a helpful math tutor.",
            "Answer arithmetic questions briefly.", "Be concise."]
 
@@ -84,9 +94,18 @@ def conversation(rng):
         question = rng.choice(FOLLOW_UPS[op] if follow_up else QUESTIONS)
         prev = OPS[op](a, b)
         messages += [dict(role="user", content=question.format(a=a, op=op, b=b, word=WORDS[op])),
-                     dict(role="assistant", content=f"{a}{op}{b} = {prev}")]
+                     dict(role="assistant", content=answer(a, op, b, prev, rng.choice(STYLES)))]
         problems.append((a, op, b))
     return messages, problems
+
+
+def answer(a, op, b, result, style):
+    return f"{a}{op}{b} = {result}" if style == "plain" else f"Sure! {a}{op}{b} = {result}"
+
+
+def preferred(reply):
+    """The preferred behaviour: the reply is the plain equation, no filler (whether or not its result is right)."""
+    return re.fullmatch(r"\s*\d+\s*[-+*]\s*\d+\s*=\s*-?\d+\s*", reply) is not None
 
 
 def conversations(split, n, seed=0):
@@ -120,8 +139,10 @@ def dpo_examples(split, n, seed=0):
     rng = random.Random(f"{VERSION}-{split}-{seed}-rejected")
     for messages, problems in conversations(split, n, seed):
         a, op, b = problems[-1]
-        yield dict(prompt=messages[:-1], chosen=messages[-1]["content"],
-                   rejected=f"{a}{op}{b} = {wrong_answer(rng, a, op, b)}")
+        right = OPS[op](a, b)
+        rejected = (answer(a, op, b, right, "chatty") if rng.random() < 0.75 else
+                    answer(a, op, b, wrong_answer(rng, a, op, b), "plain"))
+        yield dict(prompt=messages[:-1], chosen=answer(a, op, b, right, "plain"), rejected=rejected)
 
 
 def val_problems(n=200, seed=0):
@@ -136,20 +157,20 @@ def score(answer, reply):
 
 
 @torch.no_grad()
-def accuracy(model, tok, n, autocast, sync_ranks):
-    """Held-out exact match: the first n val prompts answered greedily, split over ranks; the same fraction on
-    every rank. model: the network itself (FSDP2 modules gather their shards when called); sync_ranks under FSDP."""
+def evaluate(model, tok, n, autocast, sync_ranks):
+    """The first n val prompts answered greedily, split over ranks -> dict(val_accuracy, val_preferred), the same
+    on every rank. model: the network itself (FSDP2 modules gather their shards when called); sync_ranks: FSDP."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problems = val_problems(n)[rank::world_size]
     with autocast:
         replies = generate(model, [tok.render_prompt(p) for p, _ in problems], max_new_tokens=16,
                            stop_ids=tok.stop_ids, sync_ranks=sync_ranks)
     texts = [tok.decode([t for t in r if t not in tok.stop_ids]) for r in replies]
-    counts = torch.tensor([sum(score(ans, t) for (_, ans), t in zip(problems, texts)), len(problems)],
-                          dtype=torch.float64, device=next(model.parameters()).device)
+    counts = torch.tensor([sum(score(ans, t) for (_, ans), t in zip(problems, texts)), sum(map(preferred, texts)),
+                           len(problems)], dtype=torch.float64, device=next(model.parameters()).device)
     if dist.is_initialized():
         dist.all_reduce(counts)
-    return (counts[0] / counts[1]).item()
+    return dict(val_accuracy=(counts[0] / counts[2]).item(), val_preferred=(counts[1] / counts[2]).item())
 
 
 def prepare_builtin(out_dir, tokenizer="byte", kind="sft", n_train=20_000, n_val=500, seed=0, verbose=True):

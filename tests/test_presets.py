@@ -27,6 +27,15 @@ def test_there_are_presets():
     assert len(PRESETS) >= 6 and all(any(k in p for k in ARCH) for p in PRESETS)
 
 
+def test_dpo_presets_fit_their_longest_pair():
+    """A DPO micro-batch holds whole pairs: chosen + rejected, each up to max_len (data/prepare.py)."""
+    import runpy
+    for preset in PRESETS:
+        cfg = runpy.run_path(preset)
+        if os.path.basename(preset).startswith("dpo_") and "max_len" in cfg:
+            assert cfg["microbatch_tokens"] >= 2 * cfg["max_len"], preset
+
+
 @pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
 def test_preset_starts_and_steps(tmp_path, preset):
     script = "train_dpo.py" if os.path.basename(preset).startswith("dpo_") else "train_sft.py"

@@ -161,7 +161,12 @@ BAD = [  # (script, arguments, what the one line must say)
     ("train_sft.py", "--batch_size=0", "config error: batch_size=0; it must be at least 1"),
     ("train_sft.py", "--log_interval=0", "config error: log_interval=0; it must be at least 1"),
     ("train_sft.py", "--max_iters=-5", "config error: max_iters=-5; it must be at least 0"),
-    ("train_sft.py", "--learning_rate=-0.1", "config error: learning_rate=-0.1; it must be greater than 0"),
+    ("train_sft.py", "--learning_rate=-0.1", "config error: learning_rate=-0.1; it must be a finite number greater"),
+    ("train_sft.py", "--learning_rate=1e400", "config error: learning_rate=inf; it must be a finite number greater"),
+    ("train_sft.py", "--batch_size=None", "batch_size=None is of type NoneType, but batch_size must be of type int"),
+    ("train_sft.py", "--max_iters=True", "max_iters=True is of type bool, but max_iters must be of type int"),
+    ("train_sft.py", "--seed=-1", "config error: seed=-1; it must be in [0, 2**32)"),
+    ("train_sft.py", "--min_lr=0.1", "config error: min_lr=0.1; it must not exceed learning_rate=0.005"),
     ("train_sft.py", "--dtype=fp16", "dtype='fp16'; choose one of auto, bfloat16, float32; float16 needs loss scaling"),
     ("train_sft.py", "--loss_weighting=tokens", "loss_weighting='tokens'; choose one of token, sequence"),
     ("train_sft.py", "--parallel=zero", "parallel='zero'; choose one of ddp, fsdp"),
@@ -178,7 +183,7 @@ BAD = [  # (script, arguments, what the one line must say)
     ("train_sft.py", "--data=@long --microbatch_tokens=4096",
      "long.jsonl:2: the example is 3007 tokens, more than max_len=2048 — raise --max_len, or pass --overlong "
      "truncate (keep the first max_len tokens) or skip (max_len is capped at the model's max_seq_len=2048"),
-    ("train_dpo.py", "--init_from=scratch --beta=0", "config error: beta=0.0; it must be greater than 0"),
+    ("train_dpo.py", "--init_from=scratch --beta=0", "config error: beta=0.0; it must be a finite number greater"),
     ("train_dpo.py", "--init_from=scratch --reference=frozen", "reference='frozen'; choose one of cached, live"),
     ("train_dpo.py", "--init_from=scratch --loss_type=ipo --label_smoothing=0.1", "label_smoothing=0.1; it must be"),
 ]
@@ -199,3 +204,35 @@ def test_bad_settings_are_one_line_before_any_work(tmp_path, script, args, messa
     assert "Traceback" not in out.stderr and len(lines) == 1, out.stderr[-2000:]
     if "--data" not in args and "--init_from" not in args:  # failed before any data was tokenized
         assert not os.path.exists(os.path.join(out_dir, "data"))
+
+
+def test_a_moved_run_folder_resumes_with_its_own_data(tmp_path):
+    first, moved = str(tmp_path / "first"), str(tmp_path / "moved")
+    run_script("train_sft.py", as_args(**dict(SFT, out_dir=first, max_iters=2)))  # built-in data into first/data
+    os.rename(first, moved)
+    out = run_script("train_sft.py", [f"--out_dir={moved}", "--init_from=resume", "--max_iters=3"])
+    assert f"data: {os.path.join(moved, 'data')}" in out.stdout
+    assert [m["iter"] for m in metrics(moved)] == [1, 2, 3]
+
+
+def test_overwrite_removes_the_previous_run_first(tmp_path, sft_data):
+    out_dir = str(tmp_path / "run")
+    run_script("train_sft.py", as_args(**dict(SFT, out_dir=out_dir, data=sft_data, max_iters=1)))
+    assert os.path.exists(os.path.join(out_dir, "ckpt.pt")) and os.path.exists(os.path.join(out_dir, "hf"))
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{not json\n")
+    out = run_script("train_sft.py", as_args(**dict(SFT, out_dir=out_dir, data=str(bad), overwrite=True)), check=False)
+    assert out.returncode != 0 and "bad.jsonl:1: malformed JSON" in out.stderr
+    # the new run failed, and nothing of the old one is left to be taken for its result
+    assert not os.path.exists(os.path.join(out_dir, "ckpt.pt")) and not os.path.exists(os.path.join(out_dir, "hf"))
+
+
+def test_resume_drops_log_rows_past_the_checkpoint(tmp_path):
+    """kill -9 after the last checkpoint leaves rows the resumed run will write again: they are dropped."""
+    from common import MetricsLogger
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(dict(iter=i, loss=1.0 / i)) + "\n" for i in range(1, 10)))
+    MetricsLogger(str(tmp_path), resume_iter=5).log(dict(iter=6, loss=0.5))
+    assert [m["iter"] for m in map(json.loads, path.read_text().splitlines())] == [1, 2, 3, 4, 5, 6]
+    MetricsLogger(str(tmp_path))  # a fresh run: a fresh log
+    assert path.read_text() == ""

@@ -183,21 +183,3 @@ def test_config_errors_are_one_clear_message(tmp_path, arg, message):
     assert message in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1
-
-
-def test_config_presets_apply_and_fit_a_pair():
-    """Every config/dpo_*.py sets only keys train_dpo.py has, with their types, and its micro-batch holds the
-    longest pair its max_len allows (chosen + rejected). The script's defaults are read from its syntax tree."""
-    import ast
-    import glob
-    from configurator import apply_overrides
-    with open(os.path.join(ROOT, "train_dpo.py")) as f:
-        tree = ast.parse(f.read())
-    defaults = {node.targets[0].id: node.value.value for node in tree.body
-                if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name)
-                and isinstance(node.value, ast.Constant)}
-    presets = sorted(glob.glob(os.path.join(ROOT, "config", "dpo_*.py")))
-    assert presets
-    for preset in presets:
-        cfg = apply_overrides(dict(defaults), [preset])
-        assert cfg["microbatch_tokens"] >= 2 * cfg["max_len"], preset

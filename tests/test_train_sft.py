@@ -113,7 +113,8 @@ def test_default_run_learns_and_exports(tmp_path):
     assert ls[-1] < 0.5 * ls[0], ls
     assert "val accuracy" in out.stdout and "done: checkpoint" in out.stdout
     with open(os.path.join(out_dir, "hf", "config.json")) as f:  # what generation tools stop on
-        assert {k: json.load(f)[k] for k in ("bos_token_id", "eos_token_id")} == dict(bos_token_id=256, eos_token_id=260)
+        exported = json.load(f)
+    assert (exported["bos_token_id"], exported["eos_token_id"]) == (256, 260)
     transformers = pytest.importorskip("transformers")
     from model import Transformer
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf")).float().eval()

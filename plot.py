@@ -1,0 +1,72 @@
+"""
+Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line per run, against optimizer steps.
+
+    python plot.py out/sft out/dpo                 # writes runs.png
+    python plot.py out/dpo --out=dpo.png
+
+Panels: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in task: the share of
+greedy replies in the plain style, no filler); and for DPO runs the reward margin and the log-probs of chosen and rejected
+responses (watch logps_chosen: if it falls with logps_rejected, the policy is displacing likelihood, not
+preferring). A DPO run's steps are drawn after the SFT run's, so the two read as one timeline.
+"""
+
+import json
+import os
+import sys
+
+PANELS = [  # (title, [(metrics key, label suffix)])
+    ("training loss", [("loss", "")]),
+    ("held-out exact-match accuracy", [("val_accuracy", "")]),
+    ("preferred behaviour (plain style)", [("val_preferred", "")]),
+    ("DPO reward margin (chosen - rejected)", [("reward_margin", "")]),
+    ("DPO log-probs of the responses", [("logps_chosen", " chosen"), ("logps_rejected", " rejected")]),
+]
+
+
+def read(run_dir):
+    path = os.path.join(run_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        sys.exit(f"plot.py: {path} does not exist; pass the out_dir of a run (it writes metrics.jsonl)")
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def main(argv):
+    out = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), "runs.png")
+    runs = [a for a in argv if not a.startswith("--")]
+    if not runs:
+        sys.exit(__doc__)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")  # files only, no display needed
+        import matplotlib.pyplot as plt
+    except ImportError:
+        sys.exit("plot.py needs matplotlib, an optional dependency: pip install matplotlib")
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    offset = 0  # each run continues where the previous one ended
+    for run_dir in runs:
+        rows = read(run_dir)
+        name = os.path.basename(os.path.normpath(run_dir))
+        for ax, (title, series) in zip(axes, PANELS):
+            for key, suffix in series:
+                points = [(offset + m["iter"], m[key]) for m in rows if m.get(key) is not None]
+                if points:
+                    scale = 100 if key in ("val_accuracy", "val_preferred") else 1
+                    ax.plot([x for x, _ in points], [scale * y for _, y in points], marker="o" if len(points) < 20
+                            else None, markersize=3, label=name + suffix)
+            ax.set_title(title, fontsize=10)
+            ax.set_xlabel("optimizer step")
+        offset += max((m["iter"] for m in rows), default=0)
+    for ax, (title, _) in zip(axes, PANELS):
+        if "accuracy" in title or "preferred" in title:
+            ax.set_ylim(0, 100)
+            ax.set_ylabel("%")
+        if ax.lines:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
