@@ -44,18 +44,18 @@ loss_type = "sigmoid"  # 'sigmoid' (DPO), 'ipo', 'hinge', 'dpo_norm' (length-ave
 beta = 2.0  # the inverse temperature of the implicit reward: larger = the loss saturates at smaller margins
 label_smoothing = 0.0  # sigmoid, dpo_norm, simpo: assumed chance that a pair's label is flipped (conservative DPO)
 gamma = 0.5  # simpo: target reward margin
-sft_weight = 0.0  # adds sft_weight * NLL per target token of the step's chosen responses (train_sft.py's loss)
+sft_weight = 1.0  # adds sft_weight * NLL per target token of the step's chosen responses (train_sft.py's loss)
 reference = "cached"  # 'cached': reference log-probs computed once, kept on disk; 'live': a frozen copy in memory
 # the run's machinery, as in train_sft.py (see there what each key does)
 seed, device, dtype, compile, activation_checkpointing, parallel = 1337, "auto", "auto", "auto", False, "ddp"
 log_interval, eval_examples, val_fraction = 10, 200, 0.01
-eval_interval = 100  # evaluate (val loss, reward accuracy; built-in task: exact match) and checkpoint; 0 = at the end only
+eval_interval = 16  # evaluate (val loss, reward accuracy; built-in task: accuracy, preferred style) and checkpoint; 0 = at the end only
 max_bad_steps, overwrite, dist_timeout = 3, False, 300
 wandb_log, wandb_project, wandb_run_name = False, "nanopack", "dpo"
 # Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
 # the Zephyr and Tulu DPO recipes train 7-8B models with lr 5e-7 and beta 0.1; the toy values above (lr 2e-4,
 # beta 2) drive a real model to loss 0 and silence within a few steps
-config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1))
+config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0))
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "dpo", builtin_sizes=dict(n_train=2048, n_val=200),  # built-in: 64 steps of 32 pairs

@@ -47,7 +47,7 @@ compile = "auto"  # True, False, or 'auto': on with CUDA, off on CPU (slower the
 activation_checkpointing = False
 parallel = "ddp"  # 'ddp' or 'fsdp' (used when launched with torchrun on more than one process)
 log_interval = 10
-eval_interval = 550  # evaluate (val loss, exact-match accuracy on the built-in task) and checkpoint; 0 = at the end only
+eval_interval = 275  # evaluate (val loss; built-in task: exact-match accuracy, preferred style) and checkpoint; 0 = at the end only
 eval_examples = 200  # built-in task: held-out prompts answered greedily for accuracy
 val_fraction = 0.01  # JSONL only: the share of lines held out for val loss
 max_bad_steps = 3  # a step with a non-finite loss or gradient norm is skipped; this many in a row stop the run

@@ -80,5 +80,5 @@ def test_sft_then_dpo_from_a_real_looking_folder(tmp_path, smollm2_folder):
     out = run_script("train_dpo.py", [f"--init_from={sft_dir}/hf", f"--data={pairs(tmp_path / 'p.jsonl')}",
                                       f"--out_dir={dpo_dir}", "--max_iters=2", "--batch_size=8", "--val_fraction=0.2",
                                       "--log_interval=1"])
-    assert "fine-tuning a pretrained model: learning_rate=5e-07, min_lr=5e-08, beta=0.1" in out.stdout
+    assert "fine-tuning a pretrained model: learning_rate=5e-07, min_lr=5e-08, beta=0.1, sft_weight=0.0" in out.stdout
     assert_round_trips(os.path.join(dpo_dir, "hf"), smollm2_folder)
