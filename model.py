@@ -9,8 +9,8 @@ Several sequences are concatenated into one stream of T tokens with no padding:
 Attention never crosses a boundary, so the stream computes exactly what N separate padded rows would.
 
 Contents, top to bottom: config + presets, RMSNorm, RoPE (eager reference + fused Triton kernel),
-attention (one dispatch over the varlen backends), MLP, Block, Transformer, the LM-head loss that
-never materialises full logits, Hugging Face checkpoint load/save, FLOPs per token.
+attention (one dispatch over the varlen backends), the KV cache for generation, MLP, Block, Transformer,
+the LM-head loss that never materialises full logits, Hugging Face checkpoint load/save, FLOPs per token.
 """
 
 import json
@@ -62,9 +62,11 @@ class ModelConfig:
     max_seq_len: int = 2048  # RoPE table size; Hugging Face's max_position_embeddings
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # Qwen2 has biases on q, k, v (not on o)
+    qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on each q and k head, before RoPE
+    nope_layers: tuple = ()  # SmolLM3: indices of the layers that skip RoPE ("NoPE")
     tie_embeddings: bool = False
     sliding_window: Optional[int] = None  # Mistral: a token sees itself and the sliding_window-1 before it
-    arch: str = "llama"  # which Hugging Face architecture save_pretrained writes: llama | qwen2 | mistral
+    arch: str = "llama"  # the Hugging Face architecture save_pretrained writes: a key of _HF_ARCH (llama, qwen2, ...)
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -73,7 +75,11 @@ class ModelConfig:
             self.head_dim = self.d_model // self.n_head
         assert self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}"
         assert self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}"
-        assert self.arch in ("llama", "qwen2", "mistral"), f"unknown arch {self.arch!r}"
+        assert self.arch in _HF_ARCH, f"unknown arch {self.arch!r}"
+        # checked here, not at export: a run must not train for hours a model save_pretrained cannot describe
+        assert not self.qk_norm or self.arch == "qwen3", "qk_norm needs arch='qwen3'"
+        assert not self.nope_layers or self.arch == "smollm3", "nope_layers needs arch='smollm3'"
+        self.nope_layers = tuple(self.nope_layers)  # a list (JSON, a config file) too: equal configs compare equal
         # Embedding/head rows padded to a multiple of 64 keep the head matmul on fast tile sizes;
         # the extra rows are zero, never indexed by a token, and cut off before any softmax.
         self.padded_vocab_size = -(-self.vocab_size // 64) * 64
@@ -89,6 +95,12 @@ PRESETS = {
     "qwen2.5-0.5b": dict(vocab_size=151936, n_layer=24, n_head=14, n_kv_head=2, d_model=896, ffn_hidden=4864,
                          rope_theta=1000000.0, max_seq_len=32768, norm_eps=1e-6, qkv_bias=True,
                          tie_embeddings=True, arch="qwen2"),
+    "qwen3-0.6b": dict(vocab_size=151936, n_layer=28, n_head=16, n_kv_head=8, d_model=1024, ffn_hidden=3072,
+                       head_dim=128, rope_theta=1000000.0, max_seq_len=40960, norm_eps=1e-6, qk_norm=True,
+                       tie_embeddings=True, arch="qwen3"),
+    "qwen3-1.7b": dict(vocab_size=151936, n_layer=28, n_head=16, n_kv_head=8, d_model=2048, ffn_hidden=6144,
+                       head_dim=128, rope_theta=1000000.0, max_seq_len=40960, norm_eps=1e-6, qk_norm=True,
+                       tie_embeddings=True, arch="qwen3"),
     "llama-3.2-1b": dict(vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, d_model=2048, ffn_hidden=8192,
                          rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True,
                          rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
@@ -317,7 +329,7 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None):
 
 
 class Attention(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx):
         super().__init__()
         self.config = config
         C, H, Hkv, D = config.d_model, config.n_head, config.n_kv_head, config.head_dim
@@ -325,15 +337,89 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
         self.v_proj = nn.Linear(C, Hkv * D, bias=config.qkv_bias)
         self.o_proj = nn.Linear(H * D, C, bias=False)
+        if config.qk_norm:
+            self.q_norm = RMSNorm(D, config.norm_eps)
+            self.k_norm = RMSNorm(D, config.norm_eps)
+        self.use_rope = layer_idx not in config.nope_layers
 
-    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen):
+    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen, cache=None):
         T, cfg = x.shape[0], self.config
         q = self.q_proj(x).view(T, cfg.n_head, cfg.head_dim)
         k = self.k_proj(x).view(T, cfg.n_kv_head, cfg.head_dim)
         v = self.v_proj(x).view(T, cfg.n_kv_head, cfg.head_dim)
-        q, k = apply_rope(q, k, *rope, position_ids)
-        y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window)  # (T, H, D)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            q, k = apply_rope(q, k, *rope, position_ids)
+        if cache is None:
+            y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window)  # (T, H, D)
+        else:
+            y = cache.attend(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window)
         return self.o_proj(y.reshape(T, -1))
+
+
+# -----------------------------------------------------------------------------
+# KV cache for generation
+
+
+class KVCache:
+    """Keys and values of a batch of sequences while generating: per layer a buffer (B, Hkv, capacity, D) whose
+    row b holds sequence b's keys at their positions (capacity: the longest sequence when generation ends).
+    A forward with a cache runs rows 0..B-1 in order; begin() is called once per forward, then attend() once by
+    each layer in turn, which writes the layer's new k, v at (row, position) and attends:
+      prefill (the first forward, each sequence from position 0): within the packed stream, as without a cache;
+      decode (each later forward, one new token per row): over the row's positions 0..position, all rows in
+      one SDPA call (on CUDA too: one query row per sequence needs no varlen kernel).
+    keep(rows) drops finished sequences, so later decode steps compute the unfinished ones only."""
+
+    def __init__(self, batch_size, capacity):
+        self.batch_size, self.capacity = batch_size, capacity
+        self.k, self.v = [], []  # per layer (B, Hkv, capacity, D), made at the first write, in k's dtype
+
+    def begin(self, position_ids, cu_seqlens, max_seqlen, sliding_window):
+        """Where this forward's tokens go and, in decode, which keys each one sees.
+        max_seqlen: the longest sequence, its cached tokens included."""
+        T, B = position_ids.shape[0], cu_seqlens.shape[0] - 1
+        assert B == self.batch_size, f"a forward with a cache of {self.batch_size} sequences got {B}"
+        self.layer = 0  # the next attend() is this layer's
+        self.decoding = T == B  # a prefill of length-1 prompts is also one token per row: the same arithmetic
+        self.rows = torch.repeat_interleave(torch.arange(B, device=position_ids.device), cu_seqlens.diff(),
+                                            output_size=T)  # (T,) each token's row
+        self.pos, self.length = position_ids, max_seqlen
+        if self.decoding:
+            key_pos = torch.arange(max_seqlen, device=position_ids.device)
+            sees = key_pos <= position_ids[:, None]  # (B, L) causal; unwritten slots lie past each position
+            if sliding_window is not None:
+                sees &= key_pos > position_ids[:, None] - sliding_window
+            self.mask = sees[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and query rows
+
+    # eager even inside a compiled block: in-place writes into buffers held by a Python object, and no
+    # layer index for the compiler to specialise each layer's code on
+    @torch.compiler.disable
+    def attend(self, q, k, v, cu_seqlens, max_seqlen, sliding_window):
+        """q: (T, Hq, D), k, v: (T, Hkv, D) of the current layer -> (T, Hq, D)."""
+        if self.layer == len(self.k):
+            shape = (self.batch_size, k.shape[1], self.capacity, k.shape[2])
+            self.k.append(k.new_zeros(shape))
+            self.v.append(v.new_zeros(shape))
+        k_buf, v_buf = self.k[self.layer], self.v[self.layer]
+        self.layer += 1
+        k_buf[self.rows, :, self.pos] = k  # (T, Hkv, D) scattered to (row, :, position)
+        v_buf[self.rows, :, self.pos] = v
+        if not self.decoding:
+            return varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window)
+        B, H, D = q.shape
+        k, v = k_buf[:, :, :self.length], v_buf[:, :, :self.length]  # (B, Hkv, L, D)
+        # GQA without repeating K/V: the query heads that share a K/V head become its query rows
+        q = q.view(B, k.shape[1], H // k.shape[1], D)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).reshape(B, H, D)
+
+    def keep(self, rows):
+        """Keep these rows (a list of row indices), in this order, as rows 0..len(rows)-1."""
+        for buffers in (self.k, self.v):
+            for layer, buf in enumerate(buffers):
+                buffers[layer] = buf[torch.tensor(rows, dtype=torch.long, device=buf.device)]
+        self.batch_size = len(rows)
 
 
 # -----------------------------------------------------------------------------
@@ -352,15 +438,15 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, layer_idx):
         super().__init__()
         self.input_layernorm = RMSNorm(config.d_model, config.norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, layer_idx)
         self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen):
-        x = x + self.self_attn(self.input_layernorm(x), rope, position_ids, cu_seqlens, max_seqlen)
+    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, position_ids, cu_seqlens, max_seqlen, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -374,7 +460,7 @@ class Transformer(nn.Module):
         self.config = config
         # Module names follow Hugging Face's Llama so checkpoints map one-to-one (see from_pretrained)
         self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.d_model)
-        self.layers = nn.ModuleList([Block(config) for _ in range(config.n_layer)])
+        self.layers = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.norm = RMSNorm(config.d_model, config.norm_eps)
         self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
         self._rope = {}  # device -> (cos, sin); kept out of the state dict and out of .to(dtype)
@@ -390,7 +476,7 @@ class Transformer(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 p.zero_()
-            elif "layernorm" in name or name == "norm.weight":
+            elif name.endswith("norm.weight"):  # the layer norms, the final norm, Qwen3's q_norm / k_norm
                 p.fill_(1.0)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.normal_(0.0, std / math.sqrt(2 * self.config.n_layer))
@@ -409,7 +495,7 @@ class Transformer(nn.Module):
             self._rope[device] = rope_tables(self.config, device)
         return self._rope[device]
 
-    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None):
+    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, cache=None):
         """The trunk: (T,) token ids -> (T, d_model) final-normed hidden states."""
         T = input_ids.shape[0]
         if cu_seqlens is None:  # a plain (T,) call is one sequence
@@ -424,25 +510,29 @@ class Transformer(nn.Module):
             raise ValueError(f"a sequence of {max_seqlen} tokens exceeds max_seq_len={self.config.max_seq_len} "
                              f"(the RoPE table size); raise max_seq_len in the config or use shorter sequences")
         rope = self.rope(input_ids.device)
+        if cache is not None:
+            cache.begin(position_ids, cu_seqlens, max_seqlen, self.config.sliding_window)
         x = self.embed_tokens(input_ids)
         for block in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = torch.utils.checkpoint.checkpoint(block, x, rope, position_ids, cu_seqlens, max_seqlen,
                                                       use_reentrant=False)
             else:
-                x = block(x, rope, position_ids, cu_seqlens, max_seqlen)
+                x = block(x, rope, position_ids, cu_seqlens, max_seqlen, cache)
         return self.norm(x)
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, targets=None,
-                loss_weights=None, logprobs=False, logits_at=None):
+                loss_weights=None, logprobs=False, logits_at=None, cache=None):
         """targets (T,): the token each position must predict, IGNORE (-100) where none (the packer builds
         them, already shifted and cut at sequence boundaries). Three uses, all through forward so that the
         DDP / FSDP2 wrappers' hooks run (gradient sync, parameter all-gathers):
           targets:                 (summed cross-entropy float32, number of targets), without full logits;
                                    loss_weights (T,) weights each position's loss (e.g. 1/len per sequence)
           targets, logprobs=True:  (T,) float32 log p(targets[t]) per position, 0 where ignored (DPO)
-          no targets:              logits (T, vocab_size), or only at the rows logits_at (generation)"""
-        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen)
+          no targets:              logits (T, vocab_size), or only at the rows logits_at (generation)
+        cache (a KVCache; generation, no gradients): the first call is a prefill of whole prompts, each later
+        call brings one new token per sequence at its position, max_seqlen counting the cached tokens too."""
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, cache)
         w, V = self.head_weight(), self.config.vocab_size
         if targets is None:
             h = h if logits_at is None else h[logits_at]
@@ -453,8 +543,8 @@ class Transformer(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, device="cpu"):
-        """Load a local Hugging Face Llama / Qwen2 / Mistral folder. dtype None keeps the checkpoint's dtype.
-        Every problem with the folder is one ValueError or FileNotFoundError naming the file and what to do."""
+        """Load a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder. dtype None keeps the
+        checkpoint's dtype. Every problem with the folder is one ValueError or FileNotFoundError naming the file and what to do."""
         config = read_hf_config(path)
         tensors = _load_tensors(path)
         for key in [k for k in tensors if k.endswith("rotary_emb.inv_freq")]:
@@ -676,7 +766,8 @@ def chunked_logprobs(h, w, targets, vocab_size):
 # -----------------------------------------------------------------------------
 # Hugging Face checkpoints: config.json + model.safetensors (or shards + index)
 
-_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
 
 
 def config_from_hf(hf, source="config.json"):
@@ -711,7 +802,7 @@ def config_from_hf(hf, source="config.json"):
         unsupported("hidden_act", "the MLP is SwiGLU (silu)")
     if hf.get("mlp_bias"):
         unsupported("mlp_bias", "the MLP has no biases")
-    if arch != "qwen2" and hf.get("attention_bias"):
+    if arch != "qwen2" and hf.get("attention_bias"):  # Llama, Qwen3, SmolLM3: on o_proj as well
         unsupported("attention_bias", "only Qwen2-style q/k/v biases are implemented (no o_proj bias)")
     # rope: newer transformers write rope_parameters (with rope_theta inside), older rope_theta + rope_scaling
     rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
@@ -736,18 +827,27 @@ def config_from_hf(hf, source="config.json"):
     if arch == "mistral":
         window = get("sliding_window")
     elif hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
-        unsupported("use_sliding_window", "per-layer sliding windows (Qwen2 max_window_layers) are not implemented")
+        unsupported("use_sliding_window", "per-layer sliding windows (Qwen2/Qwen3 max_window_layers, SmolLM3 "
+                                          "NoPE layers) are not implemented")
     if window is not None and window >= max_len:
         window = None  # a window no sequence can exceed changes nothing
-    n_head = get("num_attention_heads", required=True)
+    n_head, n_layer = get("num_attention_heads", required=True), get("num_hidden_layers", required=True)
+    nope = ()
+    if arch == "smollm3":  # no_rope_layers[i] is 1 where layer i uses RoPE, 0 where it skips it
+        interval = get("no_rope_layer_interval", default=4)  # what transformers derives the list from when absent
+        flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layer)]
+        if not isinstance(flags, list) or len(flags) < n_layer or any(f not in (0, 1) for f in flags):
+            unsupported("no_rope_layers", f"expected a list of {n_layer} (num_hidden_layers) 0s and 1s")
+        nope = tuple(i for i in range(n_layer) if flags[i] == 0)
     try:
         return ModelConfig(
-            vocab_size=get("vocab_size", required=True), n_layer=get("num_hidden_layers", required=True),
+            vocab_size=get("vocab_size", required=True), n_layer=n_layer,
             n_head=n_head, n_kv_head=get("num_key_value_heads", default=n_head),
             d_model=get("hidden_size", required=True), ffn_hidden=get("intermediate_size", required=True),
             head_dim=get("head_dim"), rope_theta=float(theta), rope_scaling=scaling, max_seq_len=max_len,
-            norm_eps=get("rms_norm_eps", float, 1e-5), qkv_bias=(arch == "qwen2"),
-            tie_embeddings=get("tie_word_embeddings", bool, False), sliding_window=window, arch=arch)
+            norm_eps=get("rms_norm_eps", float, 1e-5), qkv_bias=(arch == "qwen2"), qk_norm=(arch == "qwen3"),
+            nope_layers=nope, tie_embeddings=get("tie_word_embeddings", bool, False), sliding_window=window,
+            arch=arch)
     except AssertionError as e:  # ModelConfig's own checks (head counts, even head_dim)
         raise ValueError(f"{source}: {e} — the values do not describe a valid model") from None
 
@@ -759,12 +859,14 @@ def config_to_hf(cfg, dtype):
               hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
               rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, tie_word_embeddings=cfg.tie_embeddings,
               torch_dtype=str(dtype).removeprefix("torch."))
-    if cfg.arch == "llama":
+    if cfg.arch in ("llama", "qwen3", "smollm3"):
         hf.update(attention_bias=False, mlp_bias=False)
     if cfg.arch == "mistral":
         hf.update(sliding_window=cfg.sliding_window)
-    if cfg.arch == "qwen2":
+    if cfg.arch in ("qwen2", "qwen3", "smollm3"):
         hf.update(use_sliding_window=False, sliding_window=None)
+    if cfg.arch == "smollm3":
+        hf.update(no_rope_layers=[int(i not in cfg.nope_layers) for i in range(cfg.n_layer)])
     return hf
 
 

@@ -51,3 +51,12 @@ def test_bench_train_smoke_and_equal_losses():
 def test_bench_kernels_smoke():
     out = run("bench/bench_kernels.py", "--small")
     assert "| sdpa | 64 |" in out and "RoPE" in out, out
+
+
+def test_bench_generate_smoke():
+    """Every method runs, and the cached generation gives the no-cache tokens (transformers' may differ where a
+    tiny random model's logits nearly tie, so only its row's presence is checked)."""
+    out = run("bench/bench_generate.py", "--preset", "tiny", "--new_tokens", "8", "--batches", "1,3", "--rounds", "1")
+    rows = [[c.strip() for c in l.strip("|").split("|")] for l in out.splitlines() if l.startswith(("| 1 |", "| 3 |"))]
+    assert [r[1] for r in rows] == ["nanopack, KV cache", "nanopack, no cache", "transformers generate"] * 2, out
+    assert [r[5] for r in rows if r[1] == "nanopack, no cache"] == ["1/1", "3/3"], out

@@ -53,6 +53,17 @@ def hf_model(kind, **extra):
     elif kind == "mistral":  # a sliding window (8) shorter than the sequences, so the window acts
         cfg = transformers.MistralConfig(**HF_COMMON, sliding_window=8, **extra)
         m = transformers.MistralForCausalLM(cfg)
+    elif kind in ("qwen3", "qwen3-untied"):  # q/k norms; GQA; head_dim 32, not hidden_size / heads = 16
+        cfg = transformers.Qwen3Config(**HF_COMMON, head_dim=32, tie_word_embeddings=kind == "qwen3", **extra)
+        m = transformers.Qwen3ForCausalLM(cfg)
+        with torch.no_grad():  # HF initialises norm weights to one; make the q/k norms' weights matter
+            for layer in m.model.layers:
+                layer.self_attn.q_norm.weight.normal_(1, 0.5)
+                layer.self_attn.k_norm.weight.normal_(1, 0.5)
+    elif kind == "smollm3":  # NoPE: layer 1 of 2 skips RoPE; tied embeddings (SmolLM3's default)
+        cfg = transformers.SmolLM3Config(**HF_COMMON, no_rope_layers=[1, 0], pad_token_id=None, bos_token_id=None,
+                                         eos_token_id=None, **extra)  # its default ids lie past this vocab
+        m = transformers.SmolLM3ForCausalLM(cfg)
     return m.float().eval()
 
 
@@ -65,12 +76,13 @@ def hf_logits(m, ids, lens):
     return torch.cat(out)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "qwen3-untied", "smollm3"])
 def test_hf_logits_match_and_round_trip(kind, tmp_path):
     ref = hf_model(kind)
     ref.save_pretrained(tmp_path / "hf")
     ours = Transformer.from_pretrained(str(tmp_path / "hf")).eval()
-    assert ours.config.arch == kind
+    assert ours.config.arch == kind.removesuffix("-untied")
+    assert (ours.lm_head is None) == ref.config.tie_word_embeddings
     ids, pos, cu, maxlen = packed_inputs(LENS, 203)
     expected = hf_logits(ref, ids, LENS)
     assert expected.abs().max() > 1.0  # the comparison has teeth
@@ -82,7 +94,10 @@ def test_hf_logits_match_and_round_trip(kind, tmp_path):
     # our save_pretrained -> transformers loads it with identical logits (sharded, to exercise the index)
     ours.save_pretrained(str(tmp_path / "ours"), max_shard_bytes=100_000)
     assert os.path.exists(tmp_path / "ours" / "model.safetensors.index.json")
-    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours")).float().eval()
+    # our config.json carries no token ids yet, and SmolLM3Config's defaults (Llama-3's) lie past this vocab
+    ids_kw = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None) if kind == "smollm3" else {}
+    back = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "ours"), **ids_kw).float().eval()
+    assert type(back) is type(ref)
     torch.testing.assert_close(hf_logits(back, ids, LENS), expected, atol=1e-4, rtol=0)
     # ... and so do we, from our own sharded folder
     again = Transformer.from_pretrained(str(tmp_path / "ours")).eval()
@@ -124,6 +139,30 @@ def test_unsupported_hf_configs_name_the_key():
     old.pop("rope_parameters", None)
     cfg = M.config_from_hf(old)
     assert cfg.rope_theta == 777.0 and cfg.rope_scaling == {"factor": 2.0, "rope_type": "linear"}
+
+
+def test_qwen3_and_smollm3_configs():
+    qwen3 = json.loads(transformers.Qwen3Config(**HF_COMMON).to_json_string())
+    # Qwen3 configs carry sliding-window fields while it is off: accepted then, an error when on (as Qwen2)
+    cfg = M.config_from_hf(dict(qwen3, use_sliding_window=False, sliding_window=4096))
+    assert cfg.arch == "qwen3" and cfg.qk_norm and not cfg.qkv_bias and cfg.sliding_window is None
+    with pytest.raises(ValueError, match="use_sliding_window=True is not supported: per-layer sliding windows"):
+        M.config_from_hf(dict(qwen3, use_sliding_window=True, sliding_window=64))
+    with pytest.raises(ValueError, match="attention_bias=True is not supported"):  # Qwen3's would be on o_proj too
+        M.config_from_hf(dict(qwen3, attention_bias=True))
+    smol = json.loads(transformers.SmolLM3Config(**{**HF_COMMON, "num_hidden_layers": 8}, pad_token_id=None,
+                                                 bos_token_id=None, eos_token_id=None).to_json_string())
+    assert M.config_from_hf(smol).nope_layers == (3, 7)  # transformers' default: every 4th layer skips RoPE
+    del smol["no_rope_layers"]
+    assert M.config_from_hf(dict(smol, no_rope_layer_interval=2)).nope_layers == (1, 3, 5, 7)  # as transformers does
+    for bad in ([1, 1, 1], [1, 2, 1, 1, 1, 1, 1, 1], "11101110"):
+        with pytest.raises(ValueError, match=re.escape(f"no_rope_layers={bad!r} is not supported: expected a list "
+                                                       f"of 8 (num_hidden_layers) 0s and 1s")):
+            M.config_from_hf(dict(smol, no_rope_layers=bad))
+    with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):  # SmolLM3: on NoPE layers
+        M.config_from_hf(dict(smol, use_sliding_window=True, sliding_window=16))
+    with pytest.raises(AssertionError, match="qk_norm needs arch='qwen3'"):  # save_pretrained could not write it
+        ModelConfig(qk_norm=True)
 
 
 def test_linear_rope_scaling_matches_hf(tmp_path):
@@ -457,6 +496,16 @@ def test_autocast_bf16_head_is_close():
 # config, FLOPs, training from scratch
 
 
+QWEN3_0_6B_CONFIG_JSON = {  # Qwen/Qwen3-0.6B's config.json as published
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+    "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+    "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936}
+
+
 def test_presets_have_the_published_shapes():
     with torch.device("meta"):
         sizes = {name: Transformer(M.config_from_preset(name)).num_params() for name in M.PRESETS}
@@ -466,6 +515,14 @@ def test_presets_have_the_published_shapes():
     assert abs(sizes["qwen2.5-0.5b"] - 494.0e6) < 1e6
     assert abs(sizes["llama-3.2-1b"] - 1235.8e6) < 1e6
     assert abs(sizes["llama-3.1-8b"] - 8030.3e6) < 1e6
+    # Qwen3 model cards: 0.6B (0.44B without the embedding), 1.7B (1.4B); exactly, from the published shapes:
+    assert sizes["qwen3-0.6b"] == 596_049_920 and sizes["qwen3-1.7b"] == 1_720_574_976
+    assert M.config_from_hf(QWEN3_0_6B_CONFIG_JSON) == M.config_from_preset("qwen3-0.6b")
+    for name in ("qwen3-0.6b", "qwen3-1.7b"):  # transformers' own Qwen3 counts the same from our config.json
+        cfg = M.config_from_preset(name)
+        with torch.device("meta"):
+            ref = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**M.config_to_hf(cfg, torch.bfloat16)))
+        assert ref.num_parameters() == sizes[name]
     with pytest.raises(ValueError, match="unknown model preset"):
         M.config_from_preset("gpt-5")
 

@@ -13,7 +13,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import ROOT, as_args, builtin_data, checkpoint_weights, run_script, step_metrics
+from conftest import as_args, builtin_data, checkpoint_weights, run_script, step_metrics
 
 STEP_METRICS = ("loss", "rewards_chosen", "rewards_rejected", "reward_margin", "reward_accuracy", "logps_chosen",
                 "logps_rejected")

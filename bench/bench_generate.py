@@ -1,0 +1,96 @@
+"""
+Generation speed on the CPU: sample.generate with the KV cache, without it (every step re-reads every
+sequence), and transformers' generate (DynamicCache, SDPA), greedy, on the same random weights saved as a
+Hugging Face folder. Prompts of ~50 tokens, batch 1 and 8 (transformers pads the batch on the left; we pack).
+
+    python bench/bench_generate.py                          # SmolLM2-135M shape, 64 new tokens, all threads
+    python bench/bench_generate.py --threads 1              # one core: steadier on a shared machine
+    python bench/bench_generate.py --preset tiny --new_tokens 8 --batches 1,3 --rounds 1   # seconds: the smoke test
+
+Per row: prefill = a generate call with 1 new token; decode = (the full call - prefill) / (new_tokens - 1),
+the time of one step that adds a token to every sequence; tok/s = batch x new_tokens / the full call. The
+methods take turns for --rounds rounds and each time is the best of its rounds, so a burst of load from
+another process hits all of them alike (the slow no-cache rows run once). "same tokens": how many
+sequences' greedy output equals the cached run's.
+"""
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import transformers
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from model import Transformer, config_from_preset  # noqa: E402
+from sample import generate  # noqa: E402
+
+
+def hf_generate(model, prompts, new_tokens):
+    """transformers' generate on a left-padded batch -> the new tokens of each prompt."""
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
+                         eos_token_id=None, pad_token_id=0)  # no stop token: every row runs new_tokens steps
+    return out[:, width:].tolist()
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--preset", default="smollm2-135m")
+    parser.add_argument("--new_tokens", type=int, default=64)
+    parser.add_argument("--prompt_len", type=int, default=50)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads; 0: torch's default")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    ours = Transformer(config_from_preset(args.preset)).eval()
+    with tempfile.TemporaryDirectory() as folder:  # the same weights, loaded by transformers
+        ours.save_pretrained(folder)
+        ref = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").float().eval()
+    V = ours.config.vocab_size
+    print(f"{args.preset} (random weights, {ours.num_params() / 1e6:.1f}M parameters), float32, "
+          f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {transformers.__version__}; "
+          f"{args.new_tokens} new tokens, greedy")
+
+    methods = {
+        "nanopack, KV cache": lambda prompts, n: generate(ours, prompts, n),
+        "nanopack, no cache": lambda prompts, n: generate(ours, prompts, n, kv_cache=False),
+        "transformers generate": lambda prompts, n: hf_generate(ref, prompts, n),
+    }
+    print("| batch | method | prefill ms | decode ms/step | tok/s | same tokens |")
+    print("|---|---|---|---|---|---|")
+    for B in map(int, args.batches.split(",")):
+        g = torch.Generator().manual_seed(B)
+        lens = [args.prompt_len] if B == 1 else (args.prompt_len + torch.randint(-8, 9, (B,), generator=g)).tolist()
+        prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
+        prefill, total, outs = {}, {}, {}
+        with torch.no_grad():
+            for name, run in methods.items():
+                run(prompts, 2)  # warm-up: allocator, SDPA kernels, first-call paths
+            for r in range(args.rounds):
+                for name, run in methods.items():
+                    if r > 0 and "no cache" in name:
+                        continue
+                    t0 = time.perf_counter()
+                    run(prompts, 1)
+                    t1 = time.perf_counter()
+                    outs[name] = run(prompts, args.new_tokens)
+                    t2 = time.perf_counter()
+                    prefill[name] = min(prefill.get(name, 1e9), t1 - t0)
+                    total[name] = min(total.get(name, 1e9), t2 - t1)
+        for name in methods:
+            decode = (total[name] - prefill[name]) / max(args.new_tokens - 1, 1)
+            same = sum(a == b for a, b in zip(outs[name], outs["nanopack, KV cache"]))
+            print(f"| {B} | {name} | {prefill[name] * 1e3:.1f} | {decode * 1e3:.1f} | "
+                  f"{B * args.new_tokens / total[name]:.1f} | {same}/{B} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
