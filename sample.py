@@ -105,11 +105,23 @@ if __name__ == "__main__":
     seed = 1337
     device = "cuda" if torch.cuda.is_available() else "cpu"
     configure(globals())
+    for key, ok in (("max_new_tokens", max_new_tokens >= 1), ("num_samples", num_samples >= 1),
+                    ("temperature", temperature >= 0), ("top_k", top_k >= 0),
+                    ("device", device == "cpu" or (device.startswith("cuda") and torch.cuda.is_available()))):
+        if not ok:
+            sys.exit(f"sample.py: {key}={globals()[key]!r} is not usable (max_new_tokens, num_samples >= 1; "
+                     f"temperature, top_k >= 0; device 'cpu', or 'cuda' on a machine with a GPU)")
+    if os.path.isdir(model) and not os.path.exists(os.path.join(model, "config.json")):
+        sys.exit(f"sample.py: {model} has no config.json; pass a Hugging Face folder (a run's out_dir/hf) "
+                 f"or a run's out_dir/ckpt.pt")
 
     torch.manual_seed(seed)
-    net, tok = load_model(model, device)
+    try:
+        net, tok = load_model(model, device)
+        tok = get_tokenizer(tokenizer) if tokenizer else tok
+    except (ValueError, OSError, RuntimeError, KeyError) as e:  # a folder or file we cannot read: one line
+        sys.exit(f"sample.py: cannot load {model}: {e}")
     net.eval()
-    tok = get_tokenizer(tokenizer) if tokenizer else tok
     messages = [{"role": "system", "content": system}] if system else []
 
     def reply(messages):
@@ -123,8 +135,14 @@ if __name__ == "__main__":
             print(text)
             print("---")
     else:
-        print(f"chatting with {model} (empty line to quit)")
-        while (line := input("> ").strip()):
+        print(f"chatting with {model} (empty line or Ctrl-D to quit)")
+        def read_line():
+            try:
+                return input("> ").strip()
+            except EOFError:  # Ctrl-D, or the end of piped input
+                return ""
+
+        while (line := read_line()):
             messages.append({"role": "user", "content": line})
             answer = reply(messages)[0]
             print(answer)
