@@ -13,6 +13,7 @@ attention (one dispatch over the varlen backends), the KV cache for generation, 
 the LM-head loss that never materialises full logits, Hugging Face checkpoint load/save, FLOPs per token.
 """
 
+import inspect
 import json
 import math
 import os
@@ -41,6 +42,8 @@ except ImportError:
 
 try:
     from torch.nn.attention.varlen import varlen_attn
+    if not {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters):
+        varlen_attn = None  # torch 2.9-2.11 took is_causal instead: the flash_attn or SDPA path is used there
 except ImportError:
     varlen_attn = None
 
