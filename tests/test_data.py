@@ -250,20 +250,30 @@ def test_arithmetic_is_deterministic_and_split_disjoint():
     assert min(lengths) < 40 and max(lengths) > 150
     assert {len(m) // 2 for m, _ in train} == {1, 2, 3, 4}
     assert 0.2 < sum(m[0]["role"] == "system" for m, _ in train) / len(train) < 0.4
+    plain = 0
     for messages, problems in train[:200]:
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
-        assert replies == [f"{a}{op}{b} = {arithmetic.OPS[op](a, b)}" for a, op, b in problems]
+        assert [r.removeprefix("Sure! ") for r in replies] == [f"{a}{op}{b} = {arithmetic.OPS[op](a, b)}"
+                                                               for a, op, b in problems]
+        plain += sum(map(arithmetic.preferred, replies))
+    # both answer styles, mixed turn by turn: what SFT leaves to DPO
+    assert 0.4 < plain / sum(len(m) // 2 for m, _ in train[:200]) < 0.6
 
 
 def test_arithmetic_dpo_and_score():
     for pair, (messages, _) in zip(arithmetic.dpo_examples("val", 300), arithmetic.conversations("val", 300)):
-        assert pair["prompt"] == messages[:-1] and pair["chosen"] == messages[-1]["content"]
-        assert pair["rejected"] != pair["chosen"]
+        assert pair["prompt"] == messages[:-1] and pair["chosen"] == messages[-1]["content"].removeprefix("Sure! ")
     problems = arithmetic.val_problems(300)
     pairs = list(arithmetic.dpo_examples("val", 300))
+    style_pairs = 0
     for (prompt, answer), pair in zip(problems, pairs):
         assert prompt == pair["prompt"] and prompt[-1]["role"] == "user"
-        assert arithmetic.score(answer, pair["chosen"]) and not arithmetic.score(answer, pair["rejected"])
+        # chosen: right and plain; rejected: right but chatty, or plain but wrong
+        assert arithmetic.score(answer, pair["chosen"]) and arithmetic.preferred(pair["chosen"])
+        right, plain = arithmetic.score(answer, pair["rejected"]), arithmetic.preferred(pair["rejected"])
+        assert right != plain
+        style_pairs += right
+    assert 0.65 < style_pairs / len(pairs) < 0.85  # 3 in 4 pairs teach the style
     score = arithmetic.score
     assert score(85, "37+48 = 85") and score(85, "85") and score(85, "The answer is 85.")
     for wrong in ("37+48 = 84", "", "37+48 =", "37+48 = 855", "85+1 = 86"):
