@@ -305,7 +305,7 @@ def setup(config, kind, builtin_sizes=None, choices=None):
     optimizer = make_optimizer(model, c["learning_rate"], c["weight_decay"], device_type=device.type)
 
     loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
-                          seed=c["seed"], dpo=kind == "dpo")
+                          seed=c["seed"], dpo=kind == "dpo", prefix_sharing=c.get("prefix_sharing", False))
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))
     iter_num, saved = 0, {}
     if resume:
@@ -630,7 +630,8 @@ class Throughput:
         for mb in microbatches:
             if mb.num_tokens:
                 seq_lens = np.diff(mb.cu_seqlens.numpy())[: mb.num_sequences]  # not the padding tail
-                self.flops += self.flops_factor * self.model.flops_per_token(seq_lens, mb.num_target_tokens) * mb.num_tokens
+                flops = self.model.flops_per_token(seq_lens, mb.num_target_tokens, mb.key_lengths())
+                self.flops += self.flops_factor * flops * mb.num_tokens
             self.tokens += mb.num_tokens
             self.padding += mb.num_padding
             self.positions += mb.input_ids.numel()

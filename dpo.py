@@ -18,7 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import all_reduce_sum, initial_model, print0, wrap_model
-from packing import make_batch, pack
+from packing import make_batch, pack, shared_prefixes
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "dpo_norm", "simpo")
 
@@ -63,7 +63,7 @@ def response_lengths(split_data, device):
 
 
 @torch.no_grad()
-def split_logps(model, split_data, budget, device, autocast):
+def split_logps(model, split_data, budget, device, autocast, prefix_sharing=False):
     """(P, 2) log-prob sums [chosen, rejected] of every pair of a split, forward only, the same on every rank:
     each rank runs its share of the packed bins and the shares are summed over ranks. Every rank runs the same
     number of forwards (a filler when its share is done), since under FSDP each forward is a collective."""
@@ -71,13 +71,16 @@ def split_logps(model, split_data, budget, device, autocast):
     was_training = model.training
     model.eval()
     lengths = np.diff(np.asarray(split_data["offsets"])).reshape(-1, 2).sum(1)  # (P,) tokens per pair
+    prefix = shared_prefixes(split_data) if prefix_sharing else None
+    if prefix is not None:
+        lengths = lengths - prefix
     bins = pack(lengths, budget) if len(lengths) else []
     sums = torch.zeros(len(lengths), 2, device=device)
     for i in range(-(-len(bins) // world_size)):
         j = rank + i * world_size
-        mb = make_batch(split_data, bins[j] if j < len(bins) else [], dpo=True).to(device)
+        mb = make_batch(split_data, bins[j] if j < len(bins) else [], dpo=True, prefix=prefix).to(device)
         with autocast:
-            logps = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets, logprobs=True)
+            logps = model(**mb.inputs(), logprobs=True)
         sums[mb.pair_indices] = torch.stack(mb.pair_sums(logps), 1)
     if dist.is_initialized():
         dist.all_reduce(sums)
@@ -99,8 +102,7 @@ class Reference:
             ref = self.train[mb.pair_indices]
             return ref[:, 0], ref[:, 1]
         with torch.no_grad(), self.autocast:
-            return mb.pair_sums(self.model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen,
-                                           targets=mb.targets, logprobs=True))
+            return mb.pair_sums(self.model(**mb.inputs(), logprobs=True))
 
 
 def reference(mode, run, config, key):
@@ -108,7 +110,7 @@ def reference(mode, run, config, key):
     out_dir/reference/<key>_{train,val}.npy, with <key>.json written last (its presence means complete)."""
     c, device = config, run.device
     budget = 4 * c["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
-    logps = lambda model, split: split_logps(model, split, budget, device, run.autocast)
+    logps = lambda model, split: split_logps(model, split, budget, device, run.autocast, c["prefix_sharing"])
     n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
     if mode == "none":
         return Reference(torch.zeros(n_train, 2, device=device), torch.zeros(n_val, 2, device=device))

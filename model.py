@@ -7,6 +7,10 @@ Several sequences are concatenated into one stream of T tokens with no padding:
   cu_seqlens   (N+1,)  int32 sequence boundaries: sequence i is [cu_seqlens[i], cu_seqlens[i+1])
   max_seqlen   int     the longest sequence (the attention kernels want it on the host)
 Attention never crosses a boundary, so the stream computes exactly what N separate padded rows would.
+Optionally kv = (kv_index, cu_seqlens_k, max_seqlen_k): keys and values come from k[kv_index], a stream
+of their own, so a query segment may also attend to tokens outside it (DPO prefix sharing: a rejected
+response attends to the prompt laid out once before the chosen one; see packing.py). Causal attention
+is then aligned at the bottom right: a segment's last query sees all of its keys.
 
 Contents, top to bottom: config + presets, RMSNorm, RoPE (eager reference + fused Triton kernel),
 attention (one dispatch over the varlen backends), the KV cache for generation, MLP, Block, Transformer,
@@ -295,21 +299,26 @@ def attention_backend(device, dtype):
     return name if dtype in (torch.float16, torch.bfloat16) else "sdpa"
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None):
-    """Causal attention within each packed sequence. q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D)."""
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_seqlens_k=None, max_seqlen_k=None):
+    """Causal attention within each packed sequence. q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D).
+    With cu_seqlens_k, k/v are (Tk, Hkv, D) and query segment i attends to key segment i, aligned at the
+    bottom right (its last query sees every key): flash-attn >= 2.1's causal semantics, which torch's
+    varlen_attn shares (it calls the same FA2 kernel, aten._flash_attention_forward, whose is_causal torch
+    itself uses for lower-right causal masks: torch/nn/attention/bias.py)."""
     backend = attention_backend(q.device, q.dtype)
     left = -1 if sliding_window is None else sliding_window - 1  # tokens seen before the query
+    cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     if backend == "flash_attn":
-        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k,
                                       causal=True, window_size=(left, 0))
     if backend == "torch_varlen":
-        return varlen_attn(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k,
                            window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
-    return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window)
+    return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k)
 
 
 @torch.compiler.disable  # a Python loop over a data-dependent number of sequences: run eagerly, never traced
-def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None):
+def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=None):
     """Exact fallback for any device: one SDPA call per sequence, so memory is O(max L^2), not O(T^2).
     The Python loop and .tolist() sync are fine on CPU; CUDA uses the varlen kernels above.
     K/V heads are repeated for GQA here: SDPA's enable_gqa falls to a math path ~30x slower on CPU."""
@@ -317,15 +326,18 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None):
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # split, not slicing in the loop: the backward of split is one cat, a slice's is a zero (T, H, D) each
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    k_lens = lens if cu_seqlens_k is None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
     outs = []
     # 4-D (1, H, L, D): with 3-D inputs CPU SDPA takes its math path (2.5x slower, O(L^2) memory), not flash
-    for qi, ki, vi in zip(q.split(lens), k.split(lens), v.split(lens)):
+    for qi, ki, vi in zip(q.split(lens), k.split(k_lens), v.split(k_lens)):
         qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
-        L = qi.shape[2]
+        Lq, Lk = qi.shape[2], ki.shape[2]
         mask = None
-        if sliding_window is not None and L > sliding_window:
-            i = torch.arange(L, device=q.device)
-            mask = (i[None, :] <= i[:, None]) & (i[:, None] - i[None, :] < sliding_window)  # (L, L)
+        if Lq != Lk or (sliding_window is not None and Lk > sliding_window):
+            # SDPA's is_causal aligns at the top left; queries are the last Lq of the Lk keys (bottom right)
+            i = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]  # each query's place among the keys
+            j = torch.arange(Lk, device=q.device)[None, :]
+            mask = (j <= i) & (i - j < (sliding_window or Lk))  # (Lq, Lk)
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None)
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs, dim=0)
@@ -345,7 +357,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(D, config.norm_eps)
         self.use_rope = layer_idx not in config.nope_layers
 
-    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen, cache=None):
+    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen, kv=None, cache=None):
         T, cfg = x.shape[0], self.config
         q = self.q_proj(x).view(T, cfg.n_head, cfg.head_dim)
         k = self.k_proj(x).view(T, cfg.n_kv_head, cfg.head_dim)
@@ -354,7 +366,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, k, *rope, position_ids)
-        if cache is None:
+        if kv is not None:  # a key stream of its own: e.g. the shared prompt's keys again for a rejected response
+            k, v = k.index_select(0, kv[0]), v.index_select(0, kv[0])  # gradients add back into the prompt's rows
+            y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window, kv[1], kv[2])
+        elif cache is None:
             y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window)  # (T, H, D)
         else:
             y = cache.attend(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window)
@@ -448,8 +463,8 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, position_ids, cu_seqlens, max_seqlen, cache)
+    def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen, kv=None, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), rope, position_ids, cu_seqlens, max_seqlen, kv, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -498,7 +513,7 @@ class Transformer(nn.Module):
             self._rope[device] = rope_tables(self.config, device)
         return self._rope[device]
 
-    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, cache=None):
+    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv=None, cache=None):
         """The trunk: (T,) token ids -> (T, d_model) final-normed hidden states."""
         T = input_ids.shape[0]
         if cu_seqlens is None:  # a plain (T,) call is one sequence
@@ -509,8 +524,9 @@ class Transformer(nn.Module):
             position_ids = torch.arange(T, device=input_ids.device)
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # host sync; the packer passes it
-        if max_seqlen > self.config.max_seq_len:
-            raise ValueError(f"a sequence of {max_seqlen} tokens exceeds max_seq_len={self.config.max_seq_len} "
+        longest = max_seqlen if kv is None else max(max_seqlen, kv[2])  # a shared rest's positions start past 0
+        if longest > self.config.max_seq_len:
+            raise ValueError(f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len} "
                              f"(the RoPE table size); raise max_seq_len in the config or use shorter sequences")
         rope = self.rope(input_ids.device)
         if cache is not None:
@@ -518,16 +534,18 @@ class Transformer(nn.Module):
         x = self.embed_tokens(input_ids)
         for block in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, rope, position_ids, cu_seqlens, max_seqlen,
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, position_ids, cu_seqlens, max_seqlen, kv,
                                                       use_reentrant=False)
             else:
-                x = block(x, rope, position_ids, cu_seqlens, max_seqlen, cache)
+                x = block(x, rope, position_ids, cu_seqlens, max_seqlen, kv, cache)
         return self.norm(x)
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, targets=None,
-                loss_weights=None, logprobs=False, logits_at=None, cache=None):
+                loss_weights=None, logprobs=False, logits_at=None, cache=None, target_rows=None, kv=None):
         """targets (T,): the token each position must predict, IGNORE (-100) where none (the packer builds
-        them, already shifted and cut at sequence boundaries). Three uses, all through forward so that the
+        them, already shifted and cut at sequence boundaries); or, with target_rows (K,), the token hidden row
+        target_rows[i] must predict (a row may predict several: a shared prompt's last one, see packing.py).
+        kv: the optional separate key/value stream (module docstring). Three uses, all through forward so that the
         DDP / FSDP2 wrappers' hooks run (gradient sync, parameter all-gathers):
           targets:                 (summed cross-entropy float32, number of targets), without full logits;
                                    loss_weights (T,) weights each position's loss (e.g. 1/len per sequence)
@@ -535,7 +553,9 @@ class Transformer(nn.Module):
           no targets:              logits (T, vocab_size), or only at the rows logits_at (generation)
         cache (a KVCache; generation, no gradients): the first call is a prefill of whole prompts, each later
         call brings one new token per sequence at its position, max_seqlen counting the cached tokens too."""
-        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, cache)
+        h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv, cache)
+        if target_rows is not None:
+            h = h.index_select(0, target_rows)  # (K, d): the gradient of a row used twice is summed
         w, V = self.head_weight(), self.config.vocab_size
         if targets is None:
             h = h if logits_at is None else h[logits_at]
@@ -631,19 +651,22 @@ class Transformer(nn.Module):
         for fname in written:
             os.chmod(os.path.join(path, fname), 0o666 & ~umask)
 
-    def flops_per_token(self, seq_lens, head_tokens=None):
+    def flops_per_token(self, seq_lens, head_tokens=None, key_lens=None):
         """Training FLOPs (forward + backward) per real token of a packed batch with these sequence lengths.
         6 per matmul parameter per token (2 forward, 4 backward), plus causal attention from the *actual*
         lengths: QK^T and AV cost 4*L^2*H*D forward per layer for full attention, half of that causal,
         times 3 for fwd+bwd -> 6 * n_layer * H * D * sum(L^2) / sum(L). Embedding lookups are not matmuls.
-        The LM head only runs on target tokens; pass head_tokens to count it there alone."""
+        The LM head only runs on target tokens; pass head_tokens to count it there alone. key_lens: a query
+        segment of Lq tokens over Lk keys (bottom-right causal, prefix sharing) scores Lq * (2 Lk - Lq) / 2 pairs."""
         cfg = self.config
         lens = torch.as_tensor(seq_lens, dtype=torch.float64)
         n_tokens = float(lens.sum())
+        keys = lens if key_lens is None else torch.as_tensor(key_lens, dtype=torch.float64)
+        scored = lens * (2 * keys - lens)  # L^2 where Lk = Lq
         head = cfg.d_model * cfg.vocab_size
         trunk = self.num_params() - self.embed_tokens.weight.numel() - (0 if self.lm_head is None else self.lm_head.weight.numel())
         head_share = 1.0 if head_tokens is None else head_tokens / n_tokens
-        attn = 6 * cfg.n_layer * cfg.n_head * cfg.head_dim * float((lens ** 2).sum()) / n_tokens
+        attn = 6 * cfg.n_layer * cfg.n_head * cfg.head_dim * float(scored.sum()) / n_tokens
         return 6 * trunk + 6 * head * head_share + attn
 
 

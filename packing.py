@@ -14,6 +14,13 @@ For DPO, example 2*p is the chosen and 2*p+1 the rejected sequence of pair p.
 The label shift happens here, once: a batch carries `targets`, where targets[t] is the token position
 t must predict (the next token, if that one is trained and in the same sequence, else IGNORE_INDEX).
 The model scores hidden state t against targets[t] and knows nothing about shifting or boundaries.
+
+DPO prefix sharing: a pair whose chosen and rejected sequences start with the same P tokens (the prompt)
+is laid out as `prompt | chosen rest | rejected rest`, positions 0..P-1 | P.. | P.., so the prompt is
+computed once. The rejected rest attends to the prompt through a separate key/value stream (kv_index:
+each sequence's own tokens, the prompt gathered a second time for the rejected one; cu_seqlens_k its
+boundaries), and since one hidden row (the prompt's last) then predicts two different tokens, DPO
+batches carry their targets as explicit (row, token, sequence) triples: target_rows, targets, seq_ids.
 """
 import heapq
 from bisect import bisect_left, insort
@@ -69,87 +76,139 @@ def pack(lengths, token_budget):
     return bins
 
 
+def shared_prefixes(data):
+    """DPO: (U,) how many tokens each pair's chosen and rejected sequences share at the start (the prompt, and
+    any identical first response tokens), at most one less than either length, so both keep a token of their own."""
+    offsets, ids = np.asarray(data["offsets"], dtype=np.int64), data["ids"]
+    chosen, rejected = offsets[0:-1:2], offsets[1:-1:2]
+    limit = np.minimum(offsets[1::2] - chosen, offsets[2::2] - rejected) - 1
+    shared = np.zeros(len(chosen), dtype=np.int64)
+    active = np.flatnonzero(limit > 0)
+    while active.size:  # one token position per pass, over the pairs still equal so far: O(sum of prefixes)
+        active = active[ids[chosen[active] + shared[active]] == ids[rejected[active] + shared[active]]]
+        shared[active] += 1
+        active = active[shared[active] < limit[active]]
+    return shared
+
+
 @dataclass
 class PackedBatch:
     """One packed micro-batch: N whole sequences back to back, then optionally a padding tail.
     The padding tail (when pad_to asks for one) is a run of dummy segments of at most PAD_SEGMENT tokens
     (their own cu_seqlens entries, position ids 0.. each, so attention over them costs O(PAD_SEGMENT) per
-    token and no position passes the model's range), targets -100 and seq_id == num_sequences, so a
-    per-sequence sum over num_sequences + 1 slots puts them in the last slot, which is dropped."""
+    token and no position passes the model's range), with no targets.
+    Targets come in one of two forms: SFT, one per position (target_rows None, targets and seq_ids (T,),
+    the padding tail's seq_id N); DPO, one triple per trained token (target_rows, targets, seq_ids (K,)).
+    Either way sequence_sums() adds per-target values up per sequence."""
     input_ids: torch.Tensor        # (T,) long
-    targets: torch.Tensor          # (T,) long, the next token where it is trained, else IGNORE_INDEX
-    position_ids: torch.Tensor     # (T,) long, restarting at 0 for every sequence
-    seq_ids: torch.Tensor          # (T,) long, sequence index 0..N-1 in this micro-batch; tail: N
-    cu_seqlens: torch.Tensor       # (N+1,) int32, + one entry per padding segment; [0]=0, [-1]=T
-    max_seqlen: int                # longest segment, padding segments included (the kernel sees it)
+    targets: torch.Tensor          # (T,) the next token where it is trained, else IGNORE_INDEX; DPO (K,) tokens
+    target_rows: object            # None, or DPO (K,) long: the hidden row that predicts targets[i]
+    seq_ids: torch.Tensor          # (T,) sequence 0..N-1 of each position (tail: N); DPO (K,) of each target
+    position_ids: torch.Tensor     # (T,) long, restarting at 0 for every sequence (P.. for a shared rejected rest)
+    cu_seqlens: torch.Tensor       # (S+1,) int32 query segments (one per sequence, then the padding segments)
+    max_seqlen: int                # longest query segment (the kernel sees it)
+    kv: object                     # None: keys = queries; prefix sharing: (kv_index (Tk,), cu_seqlens_k, max_seqlen_k)
     example_indices: torch.Tensor  # (N,) long, index of each sequence in the data
     pair_indices: torch.Tensor     # (P,) long, DPO: seqs 2j, 2j+1 = chosen, rejected of pair j
     num_sequences: int             # N, real sequences (0 for a filler micro-batch)
     num_pairs: int                 # P = N // 2 for DPO, 0 for SFT
-    num_tokens: int                # real tokens (T - num_padding)
-    num_target_tokens: int         # targets != IGNORE_INDEX
+    num_tokens: int                # real tokens computed (T - num_padding; a shared prompt counts once)
+    num_target_tokens: int         # trained tokens (rows the LM head scores)
     num_padding: int               # positions in the padding tail
 
     def to(self, device, non_blocking=True):
-        moved = {k: v.to(device, non_blocking=non_blocking)
-                 for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        move = lambda t: t.to(device, non_blocking=non_blocking)
+        moved = {k: move(v) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
+        if self.kv is not None:
+            moved["kv"] = (move(self.kv[0]), move(self.kv[1]), self.kv[2])
         return replace(self, **moved)
 
+    def inputs(self):
+        """The model's keyword arguments for this micro-batch: model(**mb.inputs(), logprobs=True)."""
+        return dict(input_ids=self.input_ids, position_ids=self.position_ids, cu_seqlens=self.cu_seqlens,
+                    max_seqlen=self.max_seqlen, kv=self.kv, targets=self.targets, target_rows=self.target_rows)
+
+    def key_lengths(self):
+        """(N,) keys each real sequence's queries attend over (its own length; with a shared prompt, P more)."""
+        cu = self.cu_seqlens if self.kv is None else self.kv[1]
+        return np.diff(cu.cpu().numpy())[:self.num_sequences]
+
     def sequence_sums(self, values):
-        """values (T,) per token -> (N,) per-sequence sums: one index_add_, no host sync."""
+        """values per target (aligned with seq_ids) -> (N,) per-sequence sums: one index_add_, no host sync."""
         sums = values.new_zeros(self.num_sequences + 1)  # + 1: the padding tail's slot
         return sums.index_add_(0, self.seq_ids, values)[:self.num_sequences]
 
     def pair_sums(self, values):
-        """DPO: values (T,) per token -> (chosen (P,), rejected (P,)) per-sequence sums."""
+        """DPO: values per target -> (chosen (P,), rejected (P,)) per-sequence sums."""
         sums = self.sequence_sums(values)[:2 * self.num_pairs].view(self.num_pairs, 2)
         return sums[:, 0], sums[:, 1]
 
 
-def make_batch(data, indices, pad_to=None, dpo=False):
-    """Concatenate examples `indices` (pair indices if dpo) into one PackedBatch; pad_to pads T
-    to that fixed length with a dummy tail segment (static shapes for torch.compile)."""
+def make_batch(data, indices, pad_to=None, dpo=False, prefix=None):
+    """Concatenate examples `indices` (pair indices if dpo) into one PackedBatch; pad_to pads T to that
+    fixed length with dummy tail segments (static shapes for torch.compile). prefix (DPO): shared_prefixes()
+    of the data, so that each pair's shared prompt is computed once; None lays the two sequences out whole."""
     ids, offsets, loss_mask = data["ids"], data["offsets"], data["loss_mask"]
     pair_indices = np.asarray(indices, dtype=np.int64).reshape(-1)
     # DPO: chosen and rejected adjacent, so sequence 2j / 2j+1 of the batch are pair j's.
     examples = np.stack([2 * pair_indices, 2 * pair_indices + 1], 1).reshape(-1) if dpo else pair_indices
-    starts, ends = offsets[examples], offsets[examples + 1]
-    seqlens = (ends - starts).astype(np.int64)  # (N,)
-    n_seq, n_tok = len(examples), int(seqlens.sum())
+    skip = np.zeros(len(examples), dtype=np.int64)  # leading tokens a sequence takes from the one before it
+    if dpo and prefix is not None:
+        skip[1::2] = prefix[pair_indices]
+    # Per sequence: its tokens, mask, and `rows`, where each of its positions sits in the stream. A shared
+    # rejected sequence appends only its rest; its rows start with the chosen sequence's prompt rows.
+    stream, positions, q_lens, rows, tokens, masks, T = [], [], [], [], [], [], 0
+    for e, p in zip(examples.tolist(), skip.tolist()):
+        x, m = ids[offsets[e]:offsets[e + 1]].astype(np.int64), loss_mask[offsets[e]:offsets[e + 1]] != 0
+        own = np.arange(T, T + len(x) - p)
+        rows.append(np.concatenate([rows[-1][:p], own]) if p else own)
+        stream.append(x[p:])
+        positions.append(np.arange(p, len(x)))
+        q_lens.append(len(x) - p)
+        tokens.append(x)
+        masks.append(m)
+        T += len(x) - p
+    n_seq, n_tok = len(examples), T
     if pad_to is not None and n_tok > pad_to:
         raise ValueError(f"make_batch: {n_tok} tokens do not fit pad_to={pad_to}")
-    if n_seq:
-        input_ids = np.concatenate([ids[s:e] for s, e in zip(starts, ends)]).astype(np.int64)
-        trained = np.concatenate([loss_mask[s:e] for s, e in zip(starts, ends)]) != 0
-    else:  # a filler micro-batch (see PackedLoader): no real tokens
-        input_ids, trained = np.zeros(0, np.int64), np.zeros(0, bool)
-    cu = np.zeros(n_seq + 1, dtype=np.int64)
-    np.cumsum(seqlens, out=cu[1:])
-    # Position t predicts token t+1. A sequence's first token has nothing before it in its own sequence,
-    # so it is never a target: no loss ever reaches across a packed boundary, whatever the mask says.
-    trained[cu[:-1][seqlens > 0]] = False
-    targets = np.full(n_tok, IGNORE_INDEX, dtype=np.int64)
-    targets[:-1] = np.where(trained[1:], input_ids[1:], IGNORE_INDEX)
-    position_ids = np.arange(n_tok) - np.repeat(cu[:-1], seqlens)
-    seq_ids = np.repeat(np.arange(n_seq), seqlens)
     n_pad = 0 if pad_to is None else pad_to - n_tok
     if n_seq == 0 and n_pad == 0:
         n_pad = 1  # a zero-length micro-batch would trip the attention kernels; one dummy token
     if n_pad:  # the tail is segments of its own, so attention never mixes it with real tokens
-        tail_cu = np.append(np.arange(0, n_pad, PAD_SEGMENT), n_pad)  # (S+1,) segment starts, then the end
-        input_ids = np.concatenate([input_ids, np.zeros(n_pad, np.int64)])
-        targets = np.concatenate([targets, np.full(n_pad, IGNORE_INDEX)])
-        position_ids = np.concatenate([position_ids, np.arange(n_pad) % PAD_SEGMENT])
-        seq_ids = np.concatenate([seq_ids, np.full(n_pad, n_seq)])
-        cu = np.concatenate([cu, n_tok + tail_cu[1:]])
+        tail = [min(PAD_SEGMENT, n_pad - s) for s in range(0, n_pad, PAD_SEGMENT)]
+        stream += [np.zeros(n, np.int64) for n in tail]
+        positions += [np.arange(n) for n in tail]
+        q_lens += tail
+    cat = lambda arrays, dtype=np.int64: np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+    # Position j of a sequence predicts its token j+1 where that one is trained: its first token is never a
+    # target, so no loss ever reaches across a packed boundary, whatever the mask says.
+    trained = [np.flatnonzero(m[1:]) for m in masks]
+    target_rows = cat([r[j] for r, j in zip(rows, trained)])
+    targets = cat([x[j + 1] for x, j in zip(tokens, trained)])
+    target_seq = np.repeat(np.arange(n_seq), [len(j) for j in trained])
+    if dpo:
+        seq_ids = target_seq
+    else:  # SFT: one target slot per position, the form the loss weights and the tests use
+        targets_per_row = np.full(n_tok + n_pad, IGNORE_INDEX, dtype=np.int64)
+        targets_per_row[target_rows] = targets
+        targets, target_rows = targets_per_row, None
+        seq_ids = np.repeat(np.arange(n_seq + 1), q_lens[:n_seq] + [n_pad])
+    cu = np.concatenate([[0], np.cumsum(q_lens)])
+    kv = None
+    if skip.any():  # keys: every sequence's own rows in full (the tail's after them), aligned at the bottom right
+        k_lens = [len(r) for r in rows] + q_lens[n_seq:]
+        kv_index = cat(rows + [np.arange(n_tok, n_tok + n_pad)])
+        kv = (torch.from_numpy(kv_index), torch.from_numpy(np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)),
+              max(k_lens))
     as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
     return PackedBatch(
-        input_ids=as_long(input_ids), targets=as_long(targets), position_ids=as_long(position_ids),
-        seq_ids=as_long(seq_ids), cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-        max_seqlen=int(np.diff(cu).max()), example_indices=as_long(examples),
+        input_ids=as_long(cat(stream)), targets=as_long(targets),
+        target_rows=None if target_rows is None else as_long(target_rows), seq_ids=as_long(seq_ids),
+        position_ids=as_long(cat(positions)), cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
+        max_seqlen=max(q_lens), kv=kv, example_indices=as_long(examples),
         pair_indices=as_long(pair_indices if dpo else np.zeros(0)), num_sequences=n_seq,
         num_pairs=len(pair_indices) if dpo else 0, num_tokens=n_tok,
-        num_target_tokens=int((targets != IGNORE_INDEX).sum()), num_padding=n_pad)
+        num_target_tokens=len(target_seq), num_padding=n_pad)
 
 
 @dataclass
@@ -185,12 +244,14 @@ class PackedLoader:
     num_pairs for DPO), times world_size if the gradient reduction averages over ranks.
     A filler's loss must still touch the parameters (a sum over zero targets, not a skipped call).
 
+    DPO with prefix_sharing: a pair costs chosen + rejected - its shared prefix tokens (see make_batch).
+
     Resuming: state_dict() is the state after the last step returned. A script that fetches the
     next step before the current one is trained should checkpoint step.state instead.
     """
 
     def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0,
-                 dpo=False, pad_to=None, drop_last=False):
+                 dpo=False, pad_to=None, drop_last=False, prefix_sharing=False):
         assert 0 <= rank < world_size and batch_size >= 1
         if pad_to is not None and pad_to < microbatch_tokens:
             raise ValueError(f"pad_to={pad_to} is shorter than microbatch_tokens={microbatch_tokens}")
@@ -208,7 +269,10 @@ class PackedLoader:
         mask = data["loss_mask"][:offsets[-1]]
         targets = np.add.reduceat(mask, offsets[:-1], dtype=np.int64) - mask[offsets[:-1]]
         width = 2 if dpo else 1  # a unit is one example, or one (chosen, rejected) pair
-        self.lengths = seqlens.reshape(-1, width).sum(1)        # (U,) tokens per unit
+        self.prefix = shared_prefixes(data) if dpo and prefix_sharing else None  # (U,) tokens computed once
+        self.lengths = seqlens.reshape(-1, width).sum(1)        # (U,) tokens per unit, as computed
+        if self.prefix is not None:
+            self.lengths -= self.prefix
         self.targets = targets.reshape(-1, width).sum(1)        # (U,) target tokens per unit
         too_long = np.flatnonzero(self.lengths > microbatch_tokens)
         if too_long.size:
@@ -260,7 +324,7 @@ class PackedLoader:
                 if share else [] for share in shares]
         n_micro = max(len(b) for b in bins)
         own = bins[self.rank] + [[]] * (n_micro - len(bins[self.rank]))  # [] = filler
-        micro = [make_batch(self.data, b, self.pad_to, self.dpo) for b in own]
+        micro = [make_batch(self.data, b, self.pad_to, self.dpo, self.prefix) for b in own]
         self.step += 1
         return Step(microbatches=micro, num_examples=len(units) * (2 if self.dpo else 1),
                     num_pairs=len(units) if self.dpo else 0, num_tokens=int(self.lengths[units].sum()),

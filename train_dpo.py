@@ -46,6 +46,7 @@ label_smoothing = 0.0  # sigmoid, dpo_norm, simpo: assumed chance that a pair's 
 gamma = 0.5  # simpo: target reward margin
 sft_weight = 1.0  # adds sft_weight * NLL per target token of the step's chosen responses (train_sft.py's loss)
 reference = "cached"  # 'cached': reference log-probs computed once, kept on disk; 'live': a frozen copy in memory
+prefix_sharing = True  # a pair's shared prompt is computed once (prompt | chosen | rejected), not twice: same numbers
 # the run's machinery, as in train_sft.py (see there what each key does)
 seed, device, dtype, compile, activation_checkpointing, parallel = 1337, "auto", "auto", "auto", False, "ddp"
 log_interval, eval_examples, val_fraction = 10, 200, 0.01
@@ -64,6 +65,10 @@ model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.opti
 iter_num, max_iters, world_size = run.iter_num, run.max_iters, run.world_size
 reference_mode = reference if loss_type != "simpo" else "none"
 print0(f"DPO: {loss_type} loss, beta {beta}, reference {reference_mode}")
+if loader.prefix is not None:  # what computing each shared prompt once saves, over the train split
+    print0(f"prefix sharing: {(loader.prefix > 0).sum():,} of {len(loader.prefix):,} pairs share a prefix (mean "
+           f"{loader.prefix.mean():.1f} tokens): {int(run.train_data['offsets'][-1]):,} -> {loader.lengths.sum():,} "
+           f"tokens per epoch")
 logger = common.MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
                               resume_iter=iter_num if init_from == "resume" else None)
 
@@ -81,7 +86,7 @@ def microbatch_loss(mb, num_pairs, num_chosen_targets):
     (+ sft_weight * its chosen responses' NLL / the step's global chosen target tokens). Times world_size because
     DDP and FSDP average gradients over ranks, and we want their sum. Returns (loss, pair_stats)."""
     with run.autocast:
-        logps = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets, logprobs=True)
+        logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
     pc, pr = mb.pair_sums(logps)  # (P,) each: one index_add_ over sequence ids
     rc, rr = ref(mb)
     lens = lengths_train[mb.pair_indices]
@@ -99,7 +104,7 @@ def evaluate():
     the built-in task; printed and logged."""
     out = {}
     if len(lengths_val):
-        policy = dpo.split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast)
+        policy = dpo.split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, prefix_sharing)
         losses, rewards_c, rewards_r = dpo.dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
                                                     lengths_val[:, 0], lengths_val[:, 1], loss_type, beta,
                                                     label_smoothing, gamma)

@@ -77,8 +77,7 @@ def microbatch_loss(mb, normaliser):
         per_seq = mb.sequence_sums((mb.targets != -100).float()).clamp(min=1.0)
         weights = 1.0 / torch.cat([per_seq, per_seq.new_ones(1)])[mb.seq_ids]  # + 1: the padding tail's slot
     with run.autocast:
-        loss_sum, _ = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets,
-                            loss_weights=weights)
+        loss_sum, _ = model(**mb.inputs(), loss_weights=weights)
     return loss_sum, loss_sum * world_size / normaliser
 
 
@@ -97,7 +96,7 @@ def evaluate():
         n_targets += mb.num_target_tokens
         mb = mb.to(device)
         with run.autocast:
-            loss_sum += model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets)[0]
+            loss_sum += model(**mb.inputs())[0]
     if bins:  # an empty val split has no loss (setup said so), rather than a loss of 0
         total_loss, total_targets = common.all_reduce_sum([loss_sum.item(), n_targets], device)
         out["val_loss"] = total_loss / max(total_targets, 1)

@@ -1,7 +1,9 @@
 """
 End-to-end training steps, side by side on the same data, model shape, initial weights and example order:
 
-  packed          nanopack as train_sft.py / train_dpo.py run it (whole sequences packed into microbatch_tokens)
+  packed          nanopack packing whole sequences into microbatch_tokens (train_sft.py; train_dpo.py with
+                  prefix_sharing=False)
+  packed+shared   DPO as train_dpo.py runs it: a pair's shared prompt computed once (prompt | chosen | rejected)
   packed+compile  the same with torch.compile per block, dynamic shapes (as the scripts do: no padding)
   packed+compile-static  compiled with one static shape: every micro-batch padded to microbatch_tokens (before)
   padded          nanopack with packing disabled: every micro-batch padded to its longest sequence
@@ -13,6 +15,7 @@ End-to-end training steps, side by side on the same data, model shape, initial w
 
     python bench/bench_train.py --mode sft                          # CPU: small model; CUDA: Llama-3.2-1B shape
     python bench/bench_train.py --mode dpo --data builtin
+    python bench/bench_train.py --mode dpo --data prompt_heavy --configs packed,packed+shared,hf,trl
     python bench/bench_train.py --mode sft --size tiny --steps 1    # seconds; what the smoke test runs
 
 A step is `batch_size` examples (DPO: pairs) drawn in one seeded order; packed configurations pack them by
@@ -20,7 +23,10 @@ best-fit-decreasing into bins of at most microbatch_tokens tokens, padded ones g
 (examples x longest) fits the same budget. Reported tokens are real tokens (padding excluded), timed over
 --steps steps after --warmup steps; MFU counts FLOPs of real tokens from the actual lengths (CUDA only).
 DPO uses reference log-probs computed before timing by each configuration's own forward (as the cached mode
-does), so the steps compare the policy's forward + backward only. Each configuration runs in a fresh
+does), so the steps compare the policy's forward + backward only; pairs/s is the figure to compare there, since
+packed+shared computes fewer tokens for the same pairs. DPO data: lognormal (prompt and each response ~150
+tokens), prompt_heavy (prompt median 4x the responses': RAG, summarisation, multi-turn), ultrafeedback (prompt
+~160, responses ~250 tokens: the lengths issue 18 quotes for UltraFeedback; not re-measured, no network here). Each configuration runs in a fresh
 subprocess, so its peak memory (CUDA max allocated, or on CPU the peak RSS growth) is its own.
 All rows use the same optimizer: AdamW, lr 1e-3 constant, betas (0.9, 0.95), no weight decay, clip 1.0.
 """
@@ -49,7 +55,7 @@ SIZES = {  # model shape, token budget per micro-batch, examples per step, lengt
                                  max_seq_len=16384), microbatch_tokens=16384, batch_size=16, scale=1.0),
 }
 CONFIGS = dict(sft=("packed", "packed+compile", "packed+compile-static", "padded", "hf", "trl-padfree", "trl-packed"),
-               dpo=("packed", "packed+compile", "packed+compile-static", "padded", "hf", "trl"))
+               dpo=("packed", "packed+shared", "packed+compile", "packed+compile-static", "padded", "hf", "trl"))
 
 
 # -----------------------------------------------------------------------------
@@ -74,6 +80,26 @@ def lognormal_data(n, mode, vocab, scale, seed=0):
     return as_data(seqs)
 
 
+PAIR_LENGTHS = {  # DPO sets with a shared prompt: (prompt median, response median, sigma, cap), times scale
+    "prompt_heavy": (800, 200, 0.5, (2000, 1000)),
+    "ultrafeedback": (160, 250, 0.8, (1500, 1500)),
+}
+
+
+def pair_data(n, kind, vocab, scale, seed=0):
+    """Preference pairs with lognormal prompt and response lengths (PAIR_LENGTHS), random token ids."""
+    rng = np.random.default_rng(seed)
+    p_med, r_med, sigma, (p_cap, r_cap) = PAIR_LENGTHS[kind]
+    draw = lambda med, cap: int(np.clip(round(rng.lognormal(np.log(med * scale), sigma)), 1, max(1, cap * scale)))
+    seqs = []
+    for _ in range(n):
+        prompt = rng.integers(0, vocab, draw(p_med, p_cap))
+        for _ in range(2):
+            resp = rng.integers(0, vocab, draw(r_med, r_cap))
+            seqs.append((np.r_[prompt, resp], np.r_[np.zeros(len(prompt)), np.ones(len(resp))]))
+    return as_data(seqs)
+
+
 def builtin_data(n, mode):
     from data.arithmetic import dpo_examples, sft_examples
     from tokenizer import get_tokenizer
@@ -91,6 +117,8 @@ def builtin_data(n, mode):
 def make_data(args, n):
     if args.data == "builtin":
         return builtin_data(n, args.mode)
+    if args.data in PAIR_LENGTHS:
+        return pair_data(n, args.data, vocab=args.vocab, scale=SIZES[args.size]["scale"])
     return lognormal_data(n, args.mode, vocab=args.vocab, scale=SIZES[args.size]["scale"])
 
 
@@ -105,12 +133,15 @@ def as_data(seqs):
 # micro-batches
 
 
-def steps_of(data, mode, batch_size, budget, n_steps, packed, seed=0):
-    """[[micro-batch unit indices]] per step: the same units per step for every configuration."""
+def steps_of(data, mode, batch_size, budget, n_steps, packed, seed=0, prefix=None):
+    """[[micro-batch unit indices]] per step: the same units per step for every configuration. prefix: DPO
+    pairs packed by what they compute with their shared prefix computed once."""
     from packing import pack
     lengths = np.diff(data["offsets"])
     if mode == "dpo":
         lengths = lengths.reshape(-1, 2)
+        if prefix is not None:  # the chosen side carries the pair's total for packing: C + R + P - P
+            lengths = lengths - np.c_[prefix, np.zeros_like(prefix)]
     order = np.random.default_rng(seed).permutation(len(lengths))
     steps = []
     for s in range(n_steps):
@@ -138,14 +169,15 @@ def padded_batch(data, units, dpo):
     import torch
     from packing import IGNORE_INDEX, PackedBatch, make_batch
     mb = make_batch(data, units, dpo=dpo)
-    lens = np.diff(mb.cu_seqlens.numpy())
+    flat = make_batch(data, mb.example_indices.numpy())  # the same sequences, one target slot per position
+    lens = np.diff(flat.cu_seqlens.numpy())
     n, L = len(lens), int(lens.max())
     idx = (np.arange(n)[:, None] * L + np.arange(L)[None, :])[np.arange(L)[None, :] < lens[:, None]]
     grid = lambda fill, src: torch.full((n * L,), fill, dtype=torch.long).index_copy_(0, torch.from_numpy(idx), src)
     return PackedBatch(
-        input_ids=grid(0, mb.input_ids), targets=grid(IGNORE_INDEX, mb.targets),
+        input_ids=grid(0, flat.input_ids), targets=grid(IGNORE_INDEX, flat.targets), target_rows=None,
         position_ids=torch.arange(L).repeat(n), seq_ids=torch.arange(n).repeat_interleave(L),
-        cu_seqlens=torch.arange(0, n * L + 1, L, dtype=torch.int32), max_seqlen=L,
+        cu_seqlens=torch.arange(0, n * L + 1, L, dtype=torch.int32), max_seqlen=L, kv=None,
         example_indices=mb.example_indices, pair_indices=mb.pair_indices, num_sequences=n, num_pairs=mb.num_pairs,
         num_tokens=mb.num_tokens, num_target_tokens=mb.num_target_tokens, num_padding=n * L - mb.num_tokens)
 
@@ -171,7 +203,7 @@ def result(tokens, positions, flops, elapsed, loss, rss0):
     cuda = torch.cuda.is_available()
     peak_flops = common.peak_flops(torch.device("cuda" if cuda else "cpu"))
     from torch._dynamo.utils import counters
-    return dict(tokens_per_sec=tokens / elapsed, mfu=flops / elapsed / peak_flops if peak_flops else None,
+    return dict(tokens_per_sec=tokens / elapsed, mfu=flops / elapsed / peak_flops if peak_flops else None, elapsed=elapsed, flops=flops,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else rss_gib() - rss0,
                 padding=1 - tokens / positions, loss=loss, tokens=tokens, graphs=counters["stats"]["unique_graphs"],
                 positions=positions)
@@ -188,8 +220,10 @@ def run_config(name, args):
     autocast = torch.autocast("cuda", dtype=dtype) if device.type == "cuda" else torch.autocast("cpu", enabled=False)
     dpo = args.mode == "dpo"
     data = make_data(args, args.batch_size * (args.warmup + args.steps))
+    from packing import shared_prefixes
+    prefix = shared_prefixes(data) if name == "packed+shared" else None
     steps = steps_of(data, args.mode, args.batch_size, args.microbatch_tokens, args.warmup + args.steps,
-                     packed=name.startswith("packed"))
+                     packed=name.startswith("packed"), prefix=prefix)
 
     rss0 = rss_gib()
     torch.manual_seed(0)
@@ -217,7 +251,8 @@ def run_config(name, args):
         out = []
         for units in step:
             mb = (padded_batch(data, units, dpo) if name in ("padded", "hf") else
-                  make_batch(data, units, pad_to=args.microbatch_tokens if name.endswith("static") else None, dpo=dpo))
+                  make_batch(data, units, pad_to=args.microbatch_tokens if name.endswith("static") else None, dpo=dpo,
+                             prefix=prefix))
             lens = np.diff(data["offsets"])[mb.example_indices.numpy()]
             out.append((mb.to(device), lens))
         return out
@@ -225,7 +260,7 @@ def run_config(name, args):
     def forward(mb, lens):
         """SFT: summed token loss. DPO: (T,) log-probs of mb.targets per predicting position (0 where ignored)."""
         if name != "hf":
-            out = net(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets, logprobs=dpo)
+            out = net(**mb.inputs(), logprobs=dpo)
             return out if dpo else out[0]
         n, L = mb.num_sequences, mb.max_seqlen
         ids, targets = mb.input_ids.view(n, L), mb.targets.view(n, L)
@@ -280,7 +315,9 @@ def run_config(name, args):
         opt.zero_grad(set_to_none=True)
         if i >= args.warmup:
             for mb, lens in mbs:
-                flops += flops_model.flops_per_token(lens, mb.num_target_tokens) * mb.num_tokens
+                if mb.kv is not None:  # query segments over longer key segments (see model.flops_per_token)
+                    lens = np.diff(mb.cu_seqlens.cpu().numpy())[:mb.num_sequences]
+                flops += flops_model.flops_per_token(lens, mb.num_target_tokens, mb.key_lengths()) * mb.num_tokens
                 tokens += mb.num_tokens
                 positions += mb.input_ids.numel()
     loss = float(loss)  # waits for the last step
@@ -441,7 +478,7 @@ def run_trl(name, args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--mode", choices=("sft", "dpo"), default="sft")
-    p.add_argument("--data", choices=("lognormal", "builtin"), default="lognormal")
+    p.add_argument("--data", choices=("lognormal", "builtin") + tuple(PAIR_LENGTHS), default="lognormal")
     p.add_argument("--size", choices=tuple(SIZES), default=None, help="default: 1b on CUDA, small on CPU")
     p.add_argument("--configs", default=None, help="comma-separated; default: all of the mode's: "
                    + "; ".join(f"{m}: {','.join(c)}" for m, c in CONFIGS.items()))
@@ -500,18 +537,28 @@ def main():
         rows.append((name, res))
     base = dict(rows).get("hf", {}).get("tokens_per_sec")
     mem_name = "peak GiB (CUDA alloc)" if cuda else "peak GiB (RSS growth)"
+    unit = "pairs" if args.mode == "dpo" else "examples"
     header = (f"| config | real tok/s (per GPU) | MFU | {mem_name} | padding | loss after {args.steps + args.warmup} steps "
-              f"| speed vs hf | compiled graphs |")
+              f"| speed vs hf | compiled graphs | {unit}/s | vs packed | tokens computed/step |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for name, r in rows:
         if "error" in r:
-            print(f"| {name} | {r['error']} | | | | | | |")
+            print(f"| {name} | {r['error']} | | | | | | | | | |")
             continue
+        units_per_sec = args.batch_size * args.steps / r["elapsed"]
+        packed = dict(rows).get("packed", {})
+        vs_packed = f"{units_per_sec / (args.batch_size * args.steps / packed['elapsed']):.2f}x" if "elapsed" in packed else "-"
         mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "-"
         ratio = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
         print(f"| {name} | {r['tokens_per_sec']:,.0f} | {mfu} | {r['peak_gib']:.2f} | {100 * r['padding']:.1f}% | "
-              f"{r['loss']:.4f} | {ratio} | {r.get('graphs') or '-'} |")
+              f"{r['loss']:.4f} | {ratio} | {r.get('graphs') or '-'} | {units_per_sec:.2f} | {vs_packed} | "
+              f"{r['tokens'] / args.steps:,.0f} |")
+    got = dict(rows)
+    if all("elapsed" in got.get(n, {}) for n in ("packed", "packed+shared")):
+        a, b = got["packed"], got["packed+shared"]
+        print(f"prefix sharing: tokens computed {a['tokens'] / b['tokens']:.2f}x fewer ((2P+C+R)/(P+C+R) over the timed "
+              f"pairs), FLOPs {a['flops'] / b['flops']:.2f}x fewer, pairs/s {a['elapsed'] / b['elapsed']:.2f}x")
 
 
 if __name__ == "__main__":

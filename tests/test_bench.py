@@ -37,7 +37,7 @@ def test_bench_train_smoke_and_equal_losses():
     rounding only), or the speed comparison is void. TRL's packed SFT trains on other step contents, so it
     only has to run."""
     for mode, same, other in (("sft", ("packed", "packed+compile", "padded", "hf", "trl-padfree"), ("trl-packed",)),
-                              ("dpo", ("packed", "padded", "hf", "trl"), ())):
+                              ("dpo", ("packed", "packed+shared", "padded", "hf", "trl"), ())):
         out = run("bench/bench_train.py", "--mode", mode, "--size", "tiny", "--steps", "1", "--warmup", "1",
                   "--configs", ",".join(same + other))
         rows = table_rows(out)

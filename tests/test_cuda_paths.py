@@ -15,30 +15,32 @@ from conftest import next_token_targets
 LENS = [5, 17, 1, 33, 9]
 
 
-def check_call(q, k, v, cu_q, cu_k, max_q, max_k, config):
-    T = q.shape[0]
-    assert q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape and k.shape[0] == T
+def check_call(q, k, v, cu_q, cu_k, max_q, max_k, config, shared):
+    assert q.dim() == k.dim() == v.dim() == 3 and k.shape == v.shape
     assert q.shape[1:] == (config.n_head, config.head_dim) and k.shape[1:] == (config.n_kv_head, config.head_dim)
     assert q.dtype == k.dtype == v.dtype and q.dtype in (torch.float16, torch.bfloat16)  # the kernels' dtypes
     assert all(t.stride(-1) == 1 for t in (q, k, v))  # the kernels need a contiguous head dimension
-    for cu in (cu_q, cu_k):
+    for cu, T in ((cu_q, q.shape[0]), (cu_k, k.shape[0])):
         assert cu.dtype == torch.int32 and cu.device == q.device and cu.is_contiguous()
         assert cu[0] == 0 and cu[-1] == T and bool((cu[1:] >= cu[:-1]).all())
-    assert cu_q is cu_k or torch.equal(cu_q, cu_k)
-    lens = (cu_q[1:] - cu_q[:-1]).tolist()
-    assert type(max_q) is int and type(max_k) is int and max_q == max_k == max(lens)
+    lens_q, lens_k = (cu_q[1:] - cu_q[:-1]).tolist(), (cu_k[1:] - cu_k[:-1]).tolist()
+    # prefix sharing: as many key segments as query segments, each query segment the tail of its key segment
+    # (bottom-right causal); some longer (a rejected rest sees the prompt too). Otherwise the same boundaries.
+    assert len(lens_q) == len(lens_k) and all(lk >= lq for lq, lk in zip(lens_q, lens_k))
+    assert (lens_k != lens_q) == shared
+    assert type(max_q) is int and type(max_k) is int and max_q == max(lens_q) and max_k == max(lens_k)
 
 
-def stand_in(kind, config, calls):
+def stand_in(kind, config, calls, shared=False):
     def fake(q, k, v, cu_q, cu_k, max_q, max_k, *args, **kw):
-        check_call(q, k, v, cu_q, cu_k, max_q, max_k, config)
+        check_call(q, k, v, cu_q, cu_k, max_q, max_k, config, shared)
         left = -1 if config.sliding_window is None else config.sliding_window - 1
         if kind == "flash_attn":  # flash_attn_varlen_func(..., dropout_p, softmax_scale, causal, window_size, ...)
             assert not args and kw == dict(causal=True, window_size=(left, 0)), kw
         else:  # torch.nn.attention.varlen.varlen_attn: keywords only after the positions, causal = (-1, 0)
             assert not args and kw == dict(window_size=(left, 0), enable_gqa=config.n_head != config.n_kv_head), kw
         calls.append(kind)
-        return M.sdpa_per_sequence(q, k, v, cu_q, config.sliding_window)
+        return M.sdpa_per_sequence(q, k, v, cu_q, config.sliding_window, cu_k)
     return fake
 
 
@@ -76,3 +78,52 @@ def test_torch_varlen_signature_is_the_one_we_call():
         pytest.skip("torch.nn.attention.varlen is not in this torch")
     params = inspect.signature(M.varlen_attn).parameters
     assert {"window_size", "enable_gqa"} <= set(params), list(params)
+
+
+@pytest.mark.parametrize("kind", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize("kw", [dict(), dict(sliding_window=6)], ids=["gqa", "window"])
+def test_cuda_branch_prefix_shared(monkeypatch, kind, kw):
+    """DPO pairs with shared prompts: the kernel gets the separate key stream (cu_seqlens_k, max_seqlen_k)."""
+    from packing import make_batch, shared_prefixes
+    from test_prefix_sharing import CASES, VOCAB, pairs_data
+    torch.manual_seed(0)
+    model = M.Transformer(M.config_from_preset("tiny", vocab_size=VOCAB, **kw)).to(torch.bfloat16)
+    spec = CASES["mixed with unshared pairs"] + CASES["prompt longer than responses"]
+    data = pairs_data(spec)
+    mb = make_batch(data, range(len(spec)), dpo=True, prefix=shared_prefixes(data))
+    calls = []
+    monkeypatch.setattr(M, "flash_attn_varlen_func" if kind == "flash_attn" else "varlen_attn",
+                        stand_in(kind, model.config, calls, shared=True))
+    monkeypatch.setitem(M._ATTN_BACKEND, "cpu", kind)
+    pc, pr = mb.pair_sums(model(**mb.inputs(), logprobs=True))
+    (pc - pr).sum().backward()
+    assert calls == [kind] * model.config.n_layer
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    monkeypatch.setattr(M, "attention_backend", lambda device, dtype: "sdpa")  # bf16 through the same SDPA math
+    pc_ref, pr_ref = mb.pair_sums(model(**mb.inputs(), logprobs=True))
+    (pc_ref - pr_ref).sum().backward()
+    assert torch.equal(pc, pc_ref) and torch.equal(pr, pr_ref)
+    for g, p in zip(grads, model.parameters()):
+        assert torch.equal(g, p.grad)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_kernels_align_causal_at_the_bottom_right():
+    """On a GPU: the real varlen kernels with cu_seqlens_k != cu_seqlens_q (a query segment that is the tail of a
+    longer key segment) equal the SDPA fallback's explicit bottom-right mask, window and GQA included."""
+    torch.manual_seed(0)
+    lens_q, lens_k = [5, 17, 1, 30], [5, 40, 9, 30]
+    cu_q = torch.tensor([0] + lens_q, device="cuda").cumsum(0).to(torch.int32)
+    cu_k = torch.tensor([0] + lens_k, device="cuda").cumsum(0).to(torch.int32)
+    q = torch.randn(sum(lens_q), 8, 64, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    for window in (None, 7):
+        ref = M.sdpa_per_sequence(q.float(), k.float(), v.float(), cu_q, window, cu_k)
+        for name in [n for n in ("flash_attn", "torch_varlen") if (M.flash_attn_varlen_func if n == "flash_attn"
+                                                                   else M.varlen_attn) is not None]:
+            M._ATTN_BACKEND["cuda"] = name
+            out = M.varlen_attention(q, k, v, cu_q, max(lens_q), window, cu_k, max(lens_k))
+            # bf16 inputs, float32 reference: one bf16 rounding of an average of values ~1: 2e-2
+            torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0, msg=lambda m: f"{name} {window}: {m}")
+        M._ATTN_BACKEND.pop("cuda", None)

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import model as model_module
 from dpo import dpo_loss, pair_stats, response_lengths
 from model import Transformer, config_from_preset
-from packing import make_batch
+from packing import make_batch, shared_prefixes
 
 # Two pairs of fixed sequence log-prob sums, and response lengths in tokens.
 PC, PR = [-10.0, -20.0], [-12.0, -18.0]  # policy chosen, rejected
@@ -117,14 +117,16 @@ def padded_sequence_logps(net, data, examples):
 
 
 @pytest.mark.parametrize("pad_to", [None, 256])
-def test_packed_equals_padded_logps_loss_and_gradients(monkeypatch, pad_to):
+@pytest.mark.parametrize("shared", [False, True], ids=["whole", "prefix-shared"])
+def test_packed_equals_padded_logps_loss_and_gradients(monkeypatch, pad_to, shared):
     # a small head chunk so that the chunked path really runs over several chunks
     monkeypatch.setattr(model_module, "LOSS_CHUNK", 7)
     torch.manual_seed(0)
     net = Transformer(config_from_preset("tiny"))
     data = preference_data(np.random.default_rng(0), n_pairs=5, vocab=500)
     pairs = [3, 0, 4, 1]  # packed in this order, not the data order
-    mb = make_batch(data, pairs, pad_to=pad_to, dpo=True)
+    mb = make_batch(data, pairs, pad_to=pad_to, dpo=True, prefix=shared_prefixes(data) if shared else None)
+    assert (mb.kv is not None) == shared  # the pairs do share prompts
     ref = torch.randn(len(pairs), 2) - 30.0  # any fixed reference log-probs
     lengths = torch.tensor([[float(data["loss_mask"][data["offsets"][e]:data["offsets"][e + 1]][1:].sum())
                              for e in (2 * p, 2 * p + 1)] for p in pairs])
@@ -135,7 +137,7 @@ def test_packed_equals_padded_logps_loss_and_gradients(monkeypatch, pad_to):
         return losses.mean()
 
     # packed: one forward over the whole micro-batch, per-sequence sums by index_add_ over sequence ids
-    logps = net(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets, logprobs=True)
+    logps = net(**mb.inputs(), logprobs=True)
     pc, pr = mb.pair_sums(logps)
     packed_loss = loss_from(pc, pr)
     packed_loss.backward()

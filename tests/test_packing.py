@@ -7,7 +7,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from packing import IGNORE_INDEX, PackedLoader, make_batch, pack  # noqa: E402
+from packing import IGNORE_INDEX, PackedLoader, make_batch, pack, shared_prefixes  # noqa: E402
 
 
 def lognormal_lengths(n, budget, seed=0, median=300, p99=4000):
@@ -161,34 +161,64 @@ def test_make_batch_fields():
 
 
 @pytest.mark.parametrize("pad_to", [None, 512])
-def test_dpo_offsets_and_pair_sums(pad_to):
+@pytest.mark.parametrize("shared", [False, True], ids=["whole", "prefix-shared"])
+def test_dpo_layout_targets_and_pair_sums(pad_to, shared):
     data = make_dpo_data(40, seed=3)
     offsets = data["offsets"]
     rng = np.random.default_rng(4)
     pairs = rng.permutation(40)[:9]
-    mb = make_batch(data, pairs, pad_to=pad_to, dpo=True)
+    prefix = shared_prefixes(data)
+    mb = make_batch(data, pairs, pad_to=pad_to, dpo=True, prefix=prefix if shared else None)
     assert mb.num_pairs == 9 and mb.num_sequences == 18
     assert mb.example_indices.tolist() == [e for p in pairs for e in (2 * p, 2 * p + 1)]
-    # each segment of cu_seqlens holds exactly the tokens of the example it claims to
-    cu = mb.cu_seqlens.tolist()
-    for j, e in enumerate(mb.example_indices.tolist()):
-        segment = mb.input_ids[cu[j]:cu[j + 1]].numpy()
-        assert np.array_equal(segment, data["ids"][offsets[e]:offsets[e + 1]])
-    # A per-token vector (think log-probs, 0 where targets == -100) summed per sequence with one
-    # index_add over seq_ids equals the sums taken example by example from the raw arrays.
-    per_token = torch.from_numpy(rng.standard_normal(len(mb.input_ids)).astype(np.float32))
-    per_token = torch.where(mb.targets != IGNORE_INDEX, per_token, 0.0)
-    chosen, rejected = mb.pair_sums(per_token)
-    for j, p in enumerate(pairs.tolist()):
-        for e, got in ((2 * p, chosen[j]), (2 * p + 1, rejected[j])):
-            k = mb.example_indices.tolist().index(e)  # where example e sits in the micro-batch
-            start, n = cu[k], offsets[e + 1] - offsets[e]
-            trained = data["loss_mask"][offsets[e] + 1:offsets[e + 1]].astype(bool)  # tokens 1.., predicted by 0..
-            expected = per_token[start:start + n - 1][torch.from_numpy(trained)].sum()
-            assert torch.allclose(got, expected, atol=1e-5), (p, e)
-    # mapping: the first sequence of pair j is the chosen one (example 2p), its rejected follows
-    assert mb.example_indices.view(-1, 2)[:, 0].tolist() == (2 * pairs).tolist()
     assert mb.pair_indices.tolist() == pairs.tolist()
+    assert mb.num_tokens == int(np.diff(offsets)[mb.example_indices].sum() - shared * prefix[pairs].sum())
+    # Every sequence is recovered from the stream: its query segment holds its tokens from `skip` on, at
+    # positions skip.., and (sharing) its key segment lists the stream rows of all its tokens in order.
+    cu, ids, pos = mb.cu_seqlens.tolist(), mb.input_ids.numpy(), mb.position_ids.numpy()
+    rows = {}
+    for j, e in enumerate(mb.example_indices.tolist()):
+        x = data["ids"][offsets[e]:offsets[e + 1]]
+        skip = int(prefix[e // 2]) if shared and e % 2 else 0
+        assert np.array_equal(ids[cu[j]:cu[j + 1]], x[skip:]) and np.array_equal(pos[cu[j]:cu[j + 1]], np.arange(skip, len(x)))
+        if shared:
+            cu_k = mb.kv[1].tolist()
+            rows[e] = mb.kv[0][cu_k[j]:cu_k[j + 1]].numpy()
+            assert np.array_equal(ids[rows[e]], x)  # the prompt rows are the chosen sequence's first ones
+        else:
+            rows[e] = np.arange(cu[j], cu[j + 1])
+    assert (mb.kv is None) != shared and (not shared or mb.kv[2] == max(np.diff(mb.kv[1].numpy())))
+    # Targets are (row, token, sequence) triples: exactly position j -> token j+1 where token j+1 is trained.
+    triples = sorted(zip(mb.seq_ids.tolist(), mb.target_rows.tolist(), mb.targets.tolist()))
+    expected = []
+    for k, e in enumerate(mb.example_indices.tolist()):
+        x, m = data["ids"][offsets[e]:offsets[e + 1]], data["loss_mask"][offsets[e]:offsets[e + 1]]
+        expected += [(k, int(rows[e][j]), int(x[j + 1])) for j in range(len(x) - 1) if m[j + 1]]
+    assert triples == sorted(expected) and mb.num_target_tokens == len(expected)
+    # per-target values summed per pair with one index_add over seq_ids
+    values = torch.from_numpy(rng.standard_normal(len(mb.targets)).astype(np.float32))
+    chosen, rejected = mb.pair_sums(values)
+    for j in range(9):
+        for k, got in ((2 * j, chosen[j]), (2 * j + 1, rejected[j])):
+            assert torch.allclose(got, values[mb.seq_ids == k].sum(), atol=1e-5)
+
+
+def test_shared_prefixes():
+    rng = np.random.default_rng(0)
+    seqs = []
+    for _ in range(200):
+        prompt = rng.integers(0, 3, rng.integers(0, 6))  # a 3-token vocabulary: responses often start alike
+        seqs += [np.r_[prompt, rng.integers(0, 3, rng.integers(1, 5))] for _ in range(2)]
+    seqs[0], seqs[1] = np.array([5, 6, 7]), np.array([5, 6, 7])  # identical: each keeps its last token
+    seqs[2], seqs[3] = np.array([5, 6]), np.array([5, 6, 7, 8])  # one is a prefix of the other
+    data = dict(ids=np.concatenate(seqs), offsets=np.r_[0, np.cumsum([len(s) for s in seqs])])
+    expected = []
+    for c, r in zip(seqs[0::2], seqs[1::2]):
+        n = 0
+        while n < min(len(c), len(r)) - 1 and c[n] == r[n]:
+            n += 1
+        expected.append(n)
+    assert shared_prefixes(data).tolist() == expected and expected[:2] == [2, 1]
 
 
 # ----------------------------------------------------------------------------- PackedLoader

@@ -94,6 +94,16 @@ def test_two_processes_equal_one(tmp_path, pairs, baseline, parallel):
     assert_same_run(baseline, dist2)
 
 
+def test_prefix_sharing_equals_whole_pairs(tmp_path, pairs, baseline):
+    """The baseline computes each pair's shared prompt once (prefix_sharing, the default); laying out both
+    sequences whole gives the same steps (reference cache included), with more tokens computed per step."""
+    whole = str(tmp_path / "whole")
+    out = run(common_args(whole, pairs, prefix_sharing=False))
+    assert "prefix sharing" not in out.stdout
+    assert_same_run(baseline, whole)
+    assert steps(whole)[0]["tokens"] > steps(baseline)[0]["tokens"]
+
+
 def test_cached_reference_equals_live(tmp_path, pairs, baseline):
     live = str(tmp_path / "live")
     run(common_args(live, pairs, reference="live"))
