@@ -285,13 +285,19 @@ def setup(config, kind, builtin_sizes=None, choices=None):
                                 c["overlong"], c["seed"], c["val_fraction"], **(builtin_sizes or {}))
     train_data, val_data = load_data(data_dir, tok, kind)
     check_fits(model_config, tok, data_dir, train_data, val_data, c["microbatch_tokens"], kind)
+    # FSDP2 from a model folder: built on the meta device, sharded, then each rank reads only its own rows of
+    # each tensor (model.load_hf_weights): no rank ever holds the whole model. Elsewhere every rank has it all.
+    sharded_load = not resume and start["init_from"] != "scratch" and c["parallel"] == "fsdp" and world_size > 1
     try:
-        raw_model = Transformer(model_config) if resume else initial_model(start, tok, c["seed"])
+        if resume or sharded_load:
+            with torch.device("meta" if sharded_load else "cpu"):
+                raw_model = Transformer(model_config)
+        else:
+            raw_model = initial_model(start, tok, c["seed"])
     except (ValueError, OSError, KeyError) as e:  # a model folder we cannot read: what and where, in one line
         raise SystemExit(f"model error: {e}") from None
-    if not resume and not all_finite(raw_model):
-        raise SystemExit(f"model error: {start['init_from']} holds NaN or infinite weights; nothing to train from")
-    raw_model.to(device)
+    if not sharded_load:
+        raw_model.to(device)
     raw_model.activation_checkpointing = c["activation_checkpointing"]
     compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
     if c["compile"] == "auto" and not compiled:
@@ -302,6 +308,14 @@ def setup(config, kind, builtin_sizes=None, choices=None):
         for block in raw_model.layers:
             block.compile(dynamic=True)
     model = wrap_model(raw_model, c["parallel"], world_size, ptdtype)
+    if sharded_load:
+        raw_model.to_empty(device=device)
+        try:
+            raw_model.load_hf_weights(start["init_from"])
+        except (ValueError, OSError, KeyError) as e:
+            raise SystemExit(f"model error: {e}") from None
+    if not resume and not all_finite(raw_model):
+        raise SystemExit(f"model error: {start['init_from']} holds NaN or infinite weights; nothing to train from")
     optimizer = make_optimizer(model, c["learning_rate"], c["weight_decay"], device_type=device.type)
 
     loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
@@ -530,12 +544,8 @@ def finish(run, out_dir):
     if not all_finite(run.model):
         raise SystemExit(f"the weights are not all finite: no Hugging Face folder written; {run.ckpt_path} holds the "
                          f"last finite checkpoint")
-    full_state = get_model_state_dict(run.model, options=_FULL)
+    run.raw_model.save_pretrained(hf_dir, write=run.master)  # FSDP2: gathered one tensor at a time, to rank 0's CPU
     if run.master:
-        with torch.device("meta"):
-            export = Transformer(run.raw_model.config)
-        export.load_state_dict(full_state, assign=True)
-        export.save_pretrained(hf_dir)
         byte = run.tok.name == "byte"
         folders = [f for f in {run.start["init_from"], run.tok.name} if os.path.isdir(f)]  # the source's files
         for name in TOKENIZER_FILES:

@@ -567,75 +567,100 @@ class Transformer(nn.Module):
     @classmethod
     def from_pretrained(cls, path, dtype=None, device="cpu"):
         """Load a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder. dtype None keeps the
-        checkpoint's dtype. Every problem with the folder is one ValueError or FileNotFoundError naming the file and what to do."""
+        checkpoint's dtype. Every problem with the folder is one ValueError or FileNotFoundError naming the file and what to do.
+        Built on the meta device, then each tensor is read from the memory-mapped files straight into its parameter:
+        peak memory is the model plus one tensor."""
         config = read_hf_config(path)
-        tensors = _load_tensors(path)
-        for key in [k for k in tensors if k.endswith("rotary_emb.inv_freq")]:
-            del tensors[key]  # a buffer old transformers exports hold (per layer or once); RoPE is computed here
-        if config.tie_embeddings and "lm_head.weight" in tensors:  # some exports also write the tied copy
-            head, embed = tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")
-            if embed is not None and not torch.equal(head, embed):
-                raise ValueError(f"{path}: config.json says tie_word_embeddings=true, but the checkpoint's "
-                                 f"'lm_head.weight' differs from 'model.embed_tokens.weight' — set "
-                                 f"tie_word_embeddings to false if the model has its own head, or re-export it")
+        files = SafetensorsFolder(path)
         with torch.device("meta"):
             model = cls(config)
-        state = {}
-        for name, p in model.named_parameters():
+        model.to(dtype=dtype or files.dtype("model.embed_tokens.weight")).to_empty(device=device)
+        model.load_hf_weights(files)
+        return model
+
+    @torch.no_grad()
+    def load_hf_weights(self, files):
+        """Fill this model's parameters from a Hugging Face folder (a path or a SafetensorsFolder) after checking
+        every name and shape against config.json. A parameter may be an FSDP2 shard (a DTensor split along dim 0 in
+        torch.chunk pieces over the ranks): each rank then reads only its own rows, so no rank ever holds the
+        whole model (under FSDP2: build on meta, fully_shard, to_empty, then this)."""
+        files = files if isinstance(files, SafetensorsFolder) else SafetensorsFolder(files)
+        path, cfg = files.path, self.config
+        unused = {k for k in files.keys() if not k.endswith("rotary_emb.inv_freq")}  # old exports' RoPE buffers
+        tied_copy = cfg.tie_embeddings and files.has("lm_head.weight")  # some exports also write the tied head
+        if tied_copy:
+            unused.discard("lm_head.weight")  # checked against the embedding below
+        for name, p in self.named_parameters():
             key = _hf_key(name)
-            if key not in tensors:
+            if key not in unused:
                 hint = " (config.json says tie_word_embeddings=false)" if name == "lm_head.weight" else ""
                 raise ValueError(f"{path}: tensor {key!r} missing from the checkpoint{hint} — the weights and "
                                  f"config.json do not match; re-download or re-export the model")
-            t = tensors.pop(key)
+            unused.discard(key)
             vocab_rows = name in ("embed_tokens.weight", "lm_head.weight")
-            want = (config.vocab_size, *p.shape[1:]) if vocab_rows else tuple(p.shape)
-            if tuple(t.shape) != want:
-                raise ValueError(f"{path}: tensor {key!r} has shape {tuple(t.shape)}, config.json implies {want} "
+            want = (cfg.vocab_size, *p.shape[1:]) if vocab_rows else tuple(p.shape)
+            if files.shape(key) != want:
+                raise ValueError(f"{path}: tensor {key!r} has shape {files.shape(key)}, config.json implies {want} "
                                  f"— the weights and config.json come from different models")
-            if vocab_rows:
-                t = F.pad(t, (0, 0, 0, p.shape[0] - t.shape[0]))  # zero rows up to the padded vocab
-            state[name] = t.to(device=device, dtype=dtype or t.dtype)
-        if tensors:  # weights the model would drop: a bias, a layer or a head this config has no place for
-            raise ValueError(f"{path}: {len(tensors)} tensor(s) in the checkpoint are not used by this "
-                             f"{config.arch} config.json, e.g. {sorted(tensors)[:3]} — the weights belong to "
+        if unused:  # weights the model would drop: a bias, a layer or a head this config has no place for
+            raise ValueError(f"{path}: {len(unused)} tensor(s) in the checkpoint are not used by this "
+                             f"{cfg.arch} config.json, e.g. {sorted(unused)[:3]} — the weights belong to "
                              f"another architecture or config.json is wrong; re-export the model")
-        model.load_state_dict(state, assign=True)
-        return model
+        for name, p in self.named_parameters():
+            local = p.to_local() if hasattr(p, "to_local") else p
+            start = 0
+            if hasattr(p, "to_local"):  # Shard(0): rank r holds rows [r * ceil(n / W), ...), as torch.chunk splits
+                start = min(p.shape[0], p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()))
+            stop = start + local.shape[0]
+            if name in ("embed_tokens.weight", "lm_head.weight"):  # rows past vocab_size are our padding
+                stop = max(start, min(stop, cfg.vocab_size))
+            rows = files.read(_hf_key(name), start, stop)
+            if name == "embed_tokens.weight" and tied_copy and not torch.equal(rows, files.read("lm_head.weight", start, stop)):
+                raise ValueError(f"{path}: config.json says tie_word_embeddings=true, but the checkpoint's "
+                                 f"'lm_head.weight' differs from 'model.embed_tokens.weight' — set "
+                                 f"tie_word_embeddings to false if the model has its own head, or re-export it")
+            local[:len(rows)].copy_(rows)
+            local[len(rows):].zero_()  # the vocab padding rows past vocab_size
 
-    def save_pretrained(self, path, max_shard_bytes=5 * 2**30):
-        """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads."""
-        from safetensors.torch import save_file
-        os.makedirs(path, exist_ok=True)
+    def save_pretrained(self, path, max_shard_bytes=5 * 2**30, write=True):
+        """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads.
+        Tensors stream into the files one at a time (the headers are written first, from the shapes), so the writer
+        holds one tensor, never a shard file's worth. An FSDP2-sharded model is streamed to the writer (global rank 0,
+        write=True) one tensor at a time, each rank sending its own rows: every rank calls this, no GPU ever holds a
+        whole tensor, and the writer's CPU holds one."""
         V = self.config.vocab_size
-        tensors = {}
-        for name, p in self.state_dict().items():
-            t = p.detach()
-            if name in ("embed_tokens.weight", "lm_head.weight"):
-                t = t[:V]  # drop the vocab padding
-            tensors[_hf_key(name)] = t.contiguous().cpu()
-        shards, size = [{}], 0
-        for key, t in tensors.items():
-            nbytes = t.numel() * t.element_size()
+        state = self.state_dict()  # FSDP2: DTensors, each rank holding its own rows
+        shapes = {name: (V if name in ("embed_tokens.weight", "lm_head.weight") else t.shape[0], *t.shape[1:])
+                  for name, t in state.items()}  # without our vocab padding
+        sizes = {name: math.prod(shapes[name]) * t.element_size() for name, t in state.items()}
+        shards, size = [[]], 0
+        for name, nbytes in sizes.items():
             if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append({})
+                shards.append([])
                 size = 0
-            shards[-1][key] = t
+            shards[-1].append(name)
             size += nbytes
-        written = ["config.json"]
-        if len(shards) == 1:
-            save_file(shards[0], os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-            written.append("model.safetensors")
-        else:
-            weight_map = {}
-            for i, shard in enumerate(shards):
-                fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-                save_file(shard, os.path.join(path, fname), metadata={"format": "pt"})
-                weight_map.update({k: fname for k in shard})
-                written.append(fname)
-            total = sum(t.numel() * t.element_size() for t in tensors.values())
+        names = ["model.safetensors"] if len(shards) == 1 else [
+            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+        if write:
+            os.makedirs(path, exist_ok=True)
+        for fname, shard in zip(names, shards):
+            f = open(os.path.join(path, fname), "wb") if write else None
+            if write:
+                _write_safetensors_header(f, [(_hf_key(n), shapes[n], state[n].dtype, sizes[n]) for n in shard])
+            for name in shard:
+                t = _gather_rows(state[name].detach(), write)
+                if write:
+                    f.write(t[:shapes[name][0]].contiguous().cpu().view(-1).view(torch.uint8).numpy())  # no copy
+            if write:
+                f.close()
+        if not write:
+            return
+        written = ["config.json"] + names
+        if len(shards) > 1:
+            weight_map = {_hf_key(name): fname for fname, shard in zip(names, shards) for name in shard}
             with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+                json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
             written.append("model.safetensors.index.json")
         with open(os.path.join(path, "config.json"), "w") as f:
             json.dump(config_to_hf(self.config, self.embed_tokens.weight.dtype), f, indent=2)
@@ -896,6 +921,48 @@ def config_to_hf(cfg, dtype):
     return hf
 
 
+def _gather_rows(t, write):
+    """A full tensor on the writer's CPU from an FSDP2 DTensor (dim 0 in torch.chunk pieces over the mesh), rank by
+    rank: the writer (mesh rank 0) receives each other rank's rows into one shard-sized buffer on its device and copies
+    them to CPU; the others send theirs and get None. A plain tensor comes back as it is."""
+    if not hasattr(t, "to_local"):
+        return t
+    import torch.distributed as dist
+    local, mesh = t.to_local(), t.device_mesh
+    group, n, world_size = mesh.get_group(), t.shape[0], mesh.size()
+    chunk = -(-n // world_size)
+    if not write:
+        if local.shape[0]:
+            dist.send(local.contiguous(), dist.get_global_rank(group, 0), group=group)
+        return None
+    out = torch.empty(t.shape, dtype=t.dtype)
+    out[:local.shape[0]] = local
+    buf = torch.empty((min(chunk, n), *t.shape[1:]), dtype=t.dtype, device=local.device)
+    for r in range(1, world_size):
+        start = min(n, r * chunk)
+        rows = min(n, start + chunk) - start
+        if rows:
+            dist.recv(buf[:rows], dist.get_global_rank(group, r), group=group)
+            out[start:start + rows] = buf[:rows]
+    return out
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _write_safetensors_header(f, entries):
+    """The safetensors layout: an 8-byte little-endian header length, a JSON header of name -> dtype, shape and
+    byte range (padded with spaces to a multiple of 8), then the tensors' bytes in that order, back to back.
+    entries: (name, shape, torch dtype, nbytes) in the order their bytes will follow."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dtype, nbytes in entries:
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    f.write(len(text).to_bytes(8, "little") + text)
+
+
 def _hf_key(name):
     return name if name.startswith("lm_head.") else "model." + name
 
@@ -922,33 +989,53 @@ def _read_json_object(path):
     return obj
 
 
-def _load_tensors(path):
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        weight_map = _read_json_object(index).get("weight_map")
-        if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-            raise ValueError(f"{index}: no \"weight_map\" object of tensor name -> shard file — re-download "
-                             f"or re-export the model")
-        files = sorted(set(weight_map.values()))
-    elif os.path.exists(os.path.join(path, "model.safetensors")):
-        files = ["model.safetensors"]
-    else:
-        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; "
-                                f"point to a Hugging Face model folder (pytorch_model.bin is not read: unsafe pickle)")
-    tensors = {}
-    for f in files:
-        file = os.path.join(path, f)
-        if not os.path.exists(file):
-            raise FileNotFoundError(f"{file} not found, but {index} lists it — the download is incomplete; "
-                                    f"re-download the model")
-        try:
-            tensors.update(load_file(file))
-        except SafetensorError as e:  # e.g. "incomplete metadata, file not fully covered": names no file
-            raise ValueError(f"{file}: incomplete or corrupt safetensors file ({e}) — re-download or "
-                             f"re-export the model") from None
-    return tensors
+class SafetensorsFolder:
+    """The tensors of a model folder (model.safetensors, or shards listed by model.safetensors.index.json), memory-mapped:
+    names and shapes come from the headers, and read() copies only the rows asked for."""
+
+    def __init__(self, path):
+        from safetensors import SafetensorError, safe_open
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            weight_map = _read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError(f"{index}: no \"weight_map\" object of tensor name -> shard file — re-download "
+                                 f"or re-export the model")
+            names = sorted(set(weight_map.values()))
+        elif os.path.exists(os.path.join(path, "model.safetensors")):
+            names = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; point to a "
+                                    f"Hugging Face model folder (pytorch_model.bin is not read: unsafe pickle)")
+        self.files = {}  # tensor name -> the open file that holds it
+        for name in names:
+            file = os.path.join(path, name)
+            if not os.path.exists(file):
+                raise FileNotFoundError(f"{file} not found, but {index} lists it — the download is incomplete; "
+                                        f"re-download the model")
+            try:
+                handle = safe_open(file, framework="pt")
+            except SafetensorError as e:  # e.g. "incomplete metadata, file not fully covered": names no file
+                raise ValueError(f"{file}: incomplete or corrupt safetensors file ({e}) — re-download or "
+                                 f"re-export the model") from None
+            self.files.update({key: handle for key in handle.keys()})
+
+    def keys(self):
+        return self.files.keys()
+
+    def has(self, key):
+        return key in self.files
+
+    def shape(self, key):
+        return tuple(self.files[key].get_slice(key).get_shape())
+
+    def dtype(self, key):
+        return self.read(key, 0, 1).dtype
+
+    def read(self, key, start=0, stop=None):
+        """Rows start:stop of a tensor (all of a 1-D one's elements in that range), as a new CPU tensor."""
+        return self.files[key].get_slice(key)[start:stop]
 
 
 # -----------------------------------------------------------------------------
