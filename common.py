@@ -13,6 +13,7 @@ import resource
 import shutil
 import signal
 import time
+import warnings
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
@@ -20,8 +21,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch._dynamo.utils import counters
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_model_state_dict,
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -270,7 +271,8 @@ def setup(config, kind, builtin_sizes=None, choices=None):
     ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
     ckpt = load_checkpoint(ckpt_path) if resume else None
     if c["overwrite"] and not resume and rank == 0:  # start over: nothing of the previous run may pass for ours
-        for old in (ckpt_path, os.path.join(c["out_dir"], "hf")):
+        for old in [ckpt_path, os.path.join(c["out_dir"], "hf")] + [
+                os.path.join(c["out_dir"], f) for f in os.listdir(c["out_dir"]) if f.startswith("ckpt-")]:
             shutil.rmtree(old) if os.path.isdir(old) else os.path.exists(old) and os.remove(old)
 
     if resume:  # a resumed run continues with the data, tokenizer and initial weights of the run it continues
@@ -285,19 +287,21 @@ def setup(config, kind, builtin_sizes=None, choices=None):
                                 c["overlong"], c["seed"], c["val_fraction"], **(builtin_sizes or {}))
     train_data, val_data = load_data(data_dir, tok, kind)
     check_fits(model_config, tok, data_dir, train_data, val_data, c["microbatch_tokens"], kind)
-    # FSDP2 from a model folder: built on the meta device, sharded, then each rank reads only its own rows of
-    # each tensor (model.load_hf_weights): no rank ever holds the whole model. Elsewhere every rank has it all.
-    sharded_load = not resume and start["init_from"] != "scratch" and c["parallel"] == "fsdp" and world_size > 1
+    # Weights from files (a checkpoint, or a model folder under FSDP2): the model is built on the meta device and
+    # placed first (under FSDP2: sharded), then each rank reads only what its own parameters hold, so no rank ever
+    # holds the whole model. A preset (seeded init) or a folder without FSDP2: every rank builds it whole.
+    sharded = c["parallel"] == "fsdp" and world_size > 1
+    from_files = resume or (start["init_from"] != "scratch" and sharded)
     try:
-        if resume or sharded_load:
-            with torch.device("meta" if sharded_load else "cpu"):
+        if from_files:
+            with torch.device("meta"):
                 raw_model = Transformer(model_config)
         else:
             raw_model = initial_model(start, tok, c["seed"])
     except (ValueError, OSError, KeyError) as e:  # a model folder we cannot read: what and where, in one line
         raise SystemExit(f"model error: {e}") from None
-    if not sharded_load:
-        raw_model.to(device)
+    if not (from_files and sharded):  # DDP broadcasts rank 0's weights when it wraps: they must exist by then
+        raw_model.to_empty(device=device) if from_files else raw_model.to(device)
     raw_model.activation_checkpointing = c["activation_checkpointing"]
     compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
     if c["compile"] == "auto" and not compiled:
@@ -308,8 +312,9 @@ def setup(config, kind, builtin_sizes=None, choices=None):
         for block in raw_model.layers:
             block.compile(dynamic=True)
     model = wrap_model(raw_model, c["parallel"], world_size, ptdtype)
-    if sharded_load:
+    if from_files and sharded:
         raw_model.to_empty(device=device)
+    if from_files and not resume:
         try:
             raw_model.load_hf_weights(start["init_from"])
         except (ValueError, OSError, KeyError) as e:
@@ -323,7 +328,7 @@ def setup(config, kind, builtin_sizes=None, choices=None):
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))
     iter_num, saved = 0, {}
     if resume:
-        restore_checkpoint(ckpt, model, optimizer)
+        restore_checkpoint(ckpt, c["out_dir"], model, optimizer)
         loader.load_state_dict(ckpt["loader"])
         iter_num, saved = ckpt["iter_num"], ckpt["extra"]
     n_units = len(loader.lengths)
@@ -462,9 +467,6 @@ def lr_at(it, max_iters, learning_rate, min_lr, warmup_iters):
 # checkpoints: one file, written atomically, loadable with weights_only=True
 
 
-_FULL = StateDictOptions(full_state_dict=True, cpu_offload=True)
-
-
 def rng_state():
     np_state = np.random.get_state()
     return dict(python=random.getstate(), numpy=(np_state[0], np_state[1].tolist(), *np_state[2:]),
@@ -481,23 +483,37 @@ def set_rng_state(state):
 
 
 def save_checkpoint(run, loader_state, config, extra, evaluation=None):
-    """Full (unsharded) model and optimizer state on rank 0, keyed by parameter names so a checkpoint
-    moves freely between 1 process, DDP and FSDP2 and any world size. Temp file + rename: a kill
-    mid-write leaves the previous checkpoint whole. extra: the script's own state, run.saved on resume.
+    """Model and optimizer as a torch.distributed.checkpoint folder, out_dir/ckpt-<iter>-<n>/, each rank writing
+    its own FSDP2 shards (replicated weights, 1 process or DDP, are written once); then rank 0 replaces ckpt.pt,
+    small (which folder, config, loader position, RNG, iteration), by temp file + rename, and only then removes
+    older folders: a kill at any moment leaves ckpt.pt naming a complete checkpoint. Any world size and layout
+    (1 process, DDP, FSDP2) resumes it: DCP reshards on load. extra: the script's own state, run.saved on resume.
     Weights that are not all finite, or whose evaluation is not, are never written: the previous checkpoint stays."""
     bad = [k for k, v in (evaluation or {}).items() if not math.isfinite(v)]
     if bad or not all_finite(run.model):
         print0(f"iter {run.iter_num}: {'the weights are' if not bad else ', '.join(bad) + ' is'} not finite: checkpoint "
                f"NOT written ({run.ckpt_path} stays as it was)")
         return False
-    model_sd = get_model_state_dict(run.model, options=_FULL)  # collective under FSDP: every rank calls it
-    optim_sd = get_optimizer_state_dict(run.model, run.optimizer, options=_FULL)
+    name = [None]
+    if run.master:  # a fresh folder name, never the one ckpt.pt names now (a resumed run may save the same iter)
+        n = 0
+        while os.path.exists(os.path.join(run.out_dir, f"ckpt-{run.iter_num:06d}-{n}")):
+            n += 1
+        name = [f"ckpt-{run.iter_num:06d}-{n}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    model_sd, optim_sd = get_state_dict(run.model, run.optimizer)  # sharded under FSDP2: each rank its own
+    dcp.save(dict(model=model_sd, optimizer=optim_sd), checkpoint_id=os.path.join(run.out_dir, name[0]),
+             no_dist=not dist.is_initialized())
     if run.master:
         tmp = run.ckpt_path + ".tmp"
-        torch.save(dict(model=model_sd, optimizer=optim_sd, rng=rng_state(), model_config=asdict(run.raw_model.config),
-                        iter_num=run.iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
+        torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config), iter_num=run.iter_num,
+                        loader=loader_state, config=config, tokenizer=run.tok.name,
                         data_dir=portable(run.data_dir, run.out_dir), start=run.start, extra=extra), tmp)
         os.replace(tmp, run.ckpt_path)
+        for old in os.listdir(run.out_dir):  # earlier checkpoints, and any a kill left half written
+            if old.startswith("ckpt-") and old != name[0]:
+                shutil.rmtree(os.path.join(run.out_dir, old), ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
     return True
@@ -520,16 +536,38 @@ def portable(path, out_dir):
 
 
 def load_checkpoint(path):
+    """ckpt.pt: the small part of a checkpoint (its "weights" entry names the DCP folder beside it)."""
     if not os.path.exists(path):
         raise SystemExit(f"init_from='resume' but {path} does not exist; run without init_from='resume' "
                          f"first, or point out_dir at the run to continue")
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
-def restore_checkpoint(ckpt, model, optimizer):
-    set_model_state_dict(model, ckpt["model"], options=_FULL)
-    set_optimizer_state_dict(model, optimizer, ckpt["optimizer"], options=_FULL)
-    set_rng_state(ckpt["rng"])
+def restore_checkpoint(ckpt, folder, model, optimizer=None):
+    """Load the checkpoint's weights (and optimizer state) from its DCP folder into a placed model, whatever its
+    world size and layout: each rank reads the pieces its own parameters need."""
+    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer else (get_model_state_dict(model), None)
+    state = dict(model=model_sd) if optimizer is None else dict(model=model_sd, optimizer=optim_sd)
+    path = os.path.join(folder, ckpt["weights"])
+    if not os.path.isdir(path):
+        raise SystemExit(f"{path} is missing: ckpt.pt names it as holding the weights; the run folder is incomplete")
+    with warnings.catch_warnings():  # one process: DCP warns that it assumes one process, which is what we mean
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_rng_state(ckpt["rng"])
+
+
+def checkpoint_model(ckpt_path, device="cpu"):
+    """(Transformer with the checkpoint's weights, the checkpoint's small part): for sample.py and tests."""
+    ckpt = torch.load(ckpt_path, map_location="cpu", weights_only=True)
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**ckpt["model_config"]))
+    model.to_empty(device=device)
+    restore_checkpoint(ckpt, os.path.dirname(ckpt_path), model)
+    return model, ckpt
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",

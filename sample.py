@@ -17,7 +17,7 @@ import sys
 import torch
 
 from configurator import configure
-from model import KVCache, ModelConfig, Transformer
+from model import KVCache, Transformer
 from tokenizer import Tokenizer, get_tokenizer
 
 
@@ -87,10 +87,9 @@ def load_model(path, device):
         return Transformer.from_pretrained(path, dtype=torch.float32, device=device), tok
     if not os.path.exists(path):
         sys.exit(f"sample.py: {path} does not exist; pass --model=<Hugging Face folder or ckpt.pt>")
-    ckpt = torch.load(path, map_location="cpu", weights_only=True, mmap=True)  # the optimizer state stays on disk
-    model = Transformer(ModelConfig(**ckpt["model_config"]))
-    model.load_state_dict(ckpt["model"])
-    return model.to(device), get_tokenizer(ckpt["tokenizer"])
+    from common import checkpoint_model  # not at the top: common -> data.arithmetic -> sample
+    model, ckpt = checkpoint_model(path, device)  # the weights from its DCP folder; the optimizer state stays on disk
+    return model, get_tokenizer(ckpt["tokenizer"])
 
 
 if __name__ == "__main__":

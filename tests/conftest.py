@@ -61,4 +61,6 @@ def step_metrics(out_dir):
 
 
 def checkpoint_weights(out_dir):
-    return torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)["model"]
+    """The model weights of a run's checkpoint (ckpt.pt and the DCP folder it names), as a state dict."""
+    from common import checkpoint_model
+    return checkpoint_model(os.path.join(out_dir, "ckpt.pt"))[0].state_dict()

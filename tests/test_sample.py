@@ -44,9 +44,11 @@ def test_a_checkpoint_brings_its_own_tokenizer(tmp_path):
     from sample import load_model
     pre, _ = PRE_TOKENIZERS["gpt2"]
     _, folder = train_hf(tmp_path, "tok", pre(), merges=100)
+    import torch.distributed.checkpoint as dcp
     model = Transformer(ModelConfig(vocab_size=400, n_layer=1, n_head=2, d_model=16, ffn_hidden=32, max_seq_len=64))
-    torch.save(dict(model=model.state_dict(), model_config=asdict(model.config), tokenizer=str(folder),
-                    optimizer={}), tmp_path / "ckpt.pt")
+    dcp.save(dict(model=model.state_dict()), checkpoint_id=str(tmp_path / "ckpt-000007-0"), no_dist=True)  # as save_checkpoint
+    torch.save(dict(weights="ckpt-000007-0", model_config=asdict(model.config), tokenizer=str(folder)),
+               tmp_path / "ckpt.pt")
     loaded, tok = load_model(str(tmp_path / "ckpt.pt"), "cpu")
     assert tok.name == str(folder) and tok.vocab_size > 256  # the trained BPE, not the 261-token byte tokenizer
     for k, v in model.state_dict().items():
