@@ -60,3 +60,9 @@ def test_bench_generate_smoke():
     rows = [[c.strip() for c in l.strip("|").split("|")] for l in out.splitlines() if l.startswith(("| 1 |", "| 3 |"))]
     assert [r[1] for r in rows] == ["nanopack, KV cache", "nanopack, no cache", "transformers generate"] * 2, out
     assert [r[5] for r in rows if r[1] == "nanopack, no cache"] == ["1/1", "3/3"], out
+
+
+def test_bench_scale_smoke():
+    out = run("bench/bench_scale.py", "--preset", "tiny", "--world_sizes", "1,2")
+    rows = [l for l in out.splitlines() if l.startswith(("| 1 |", "| 2 |"))]
+    assert len(rows) == 4 and not any("failed" in r for r in rows), out
