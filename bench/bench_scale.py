@@ -3,10 +3,12 @@ Memory per rank while loading a Hugging Face folder into FSDP2 and exporting it 
 sizes 1, 2, 4 (each a fresh torchrun), two ways side by side:
 
   whole    what train_*.py did before issue 19: every rank loads the whole model (from_pretrained), then fully_shard
-           frees what is not its own; export gathers the full state dict on rank 0 (get_model_state_dict), then writes
+           frees what is not its own; export gathers the full state dict on rank 0 (get_model_state_dict), then writes;
+           a checkpoint is the full model + AdamW state gathered to rank 0 (one file) and read whole by every rank
   sharded  what they do now: the model is built on the meta device, sharded, and each rank reads only its own rows of
            each tensor from the memory-mapped files (model.load_hf_weights); export gathers one tensor at a time and
-           rank 0 writes one shard file's worth at a time (model.save_pretrained(write=rank == 0))
+           rank 0 writes one shard file's worth at a time (model.save_pretrained(write=rank == 0)); a checkpoint is
+           a DCP folder each rank writes and reads its own part of (common.save_checkpoint / restore_checkpoint)
 
 Peak memory is each process's private memory (RssAnon in /proc/self/status, sampled every 5 ms) above what it held
 before the phase, the largest over the ranks; resident pages of the memory-mapped files (page cache the kernel can
@@ -70,11 +72,14 @@ class PeakRSS:
         return self.peak_rss - self.start_rss
 
 
-def child(method, folder, export):
+def child(method, folder, export, load_whole_checkpoint=True):
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-    from common import wrap_model
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                         get_state_dict, set_model_state_dict, set_optimizer_state_dict)
+    from common import restore_checkpoint, rng_state, wrap_model
+    full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
     from model import Transformer, read_hf_config
 
     dist.init_process_group("gloo")
@@ -95,7 +100,7 @@ def child(method, folder, export):
     dist.barrier()
     with PeakRSS() as save:
         if method == "whole":
-            full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+            full = get_model_state_dict(model, options=full_options)
             if rank == 0:
                 with torch.device("meta"):
                     out = Transformer(model.config)
@@ -105,9 +110,40 @@ def child(method, folder, export):
         else:
             model.save_pretrained(export, write=rank == 0)
         dist.barrier()
+    # checkpoints with AdamW state (two float32 moments per parameter, sharded like the parameters)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    ckpt = export + ".ckpt"
+    with PeakRSS() as ckpt_save:
+        if method == "whole":  # before: the full state gathered to rank 0 and written as one file
+            state = dict(model=get_model_state_dict(model, options=full_options),
+                         optimizer=get_optimizer_state_dict(model, optimizer, options=full_options))
+            if rank == 0:
+                torch.save(state, ckpt + ".pt")
+            del state
+        else:  # now: DCP, each rank writing its own shards (common.save_checkpoint)
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            dcp.save(dict(model=model_sd, optimizer=optim_sd), checkpoint_id=ckpt)
+            del model_sd, optim_sd
+        dist.barrier()
+    ckpt_load = None
+    if method == "sharded" or load_whole_checkpoint:
+        with PeakRSS() as ckpt_load:
+            if method == "whole":  # before: every rank read the whole file
+                state = torch.load(ckpt + ".pt", map_location="cpu", weights_only=True)
+                set_model_state_dict(model, state["model"], options=full_options)
+                set_optimizer_state_dict(model, optimizer, state["optimizer"], options=full_options)
+                del state
+            else:
+                restore_checkpoint(dict(weights=os.path.basename(ckpt), rng=rng_state()), os.path.dirname(ckpt), model,
+                                   optimizer)
+            dist.barrier()
     with open(f"{export}.rank{rank}.json", "w") as f:  # a file each: the ranks' stdout lines interleave
         json.dump(dict(rank=rank, load=load.grown, load_rss=load.grown_rss, held=held - load.start,
-                       save=save.grown, save_rss=save.grown_rss), f)
+                       save=save.grown, save_rss=save.grown_rss, ckpt_save=ckpt_save.grown,
+                       ckpt_load=ckpt_load.grown if ckpt_load else None), f)
     dist.destroy_process_group()
 
 
@@ -115,10 +151,10 @@ def main():
     p = argparse.ArgumentParser()
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--world_sizes", default="1,2,4")
-    p.add_argument("--child", nargs=3, help=argparse.SUPPRESS)
+    p.add_argument("--child", nargs=4, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        return child(*args.child)
+        return child(*args.child[:3], load_whole_checkpoint=args.child[3] == "1")
 
     import torch
     from model import Transformer, config_from_preset
@@ -135,23 +171,32 @@ def main():
         gib = 2 ** 30
         print(f"{args.preset}: {n_params / 1e6:.1f}M parameters, float32: full model {full / gib:.2f} GiB, largest "
               f"tensor {largest / gib:.3f} GiB | CPU ({os.cpu_count()} cores), gloo, torch {torch.__version__}")
+        with open("/proc/meminfo") as f:
+            mem_total = int(f.readline().split()[1]) * 1024
         print("| world size | method | load: peak private GiB per rank | (RSS incl. mapped file) | held after load | "
-              "export: peak private GiB, any rank | (RSS) | bound: full / world + largest |")
-        print("|---|---|---|---|---|---|---|---|")
+              "export: peak private GiB, any rank | (RSS) | checkpoint save (model + AdamW) | checkpoint load | "
+              "bound: full / world + largest |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for world_size in map(int, args.world_sizes.split(",")):
             for method in ("whole", "sharded"):
                 export = os.path.join(tmp, f"export_{method}_{world_size}")
+                # every rank reads a whole checkpoint (3 x the float32 model) and holds a copy while it loads: world
+                # size 2 was killed for memory (SIGKILL) on a 23 GiB machine, so run it only where it fits twice over
+                whole_fits = 2 * 3 * full * world_size < 0.5 * mem_total
                 cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
-                       __file__, "--child", method, folder, export]
+                       __file__, "--child", method, folder, export, str(int(whole_fits))]
                 out = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
                 rows = [json.load(open(f"{export}.rank{r}.json")) for r in range(world_size)
                         if os.path.exists(f"{export}.rank{r}.json")]
                 if out.returncode or len(rows) != world_size:
-                    print(f"| {world_size} | {method} | failed: {(out.stderr.strip().splitlines() or [''])[-1][:100]} | | | | | |")
+                    print(f"| {world_size} | {method} | failed: {(out.stderr.strip().splitlines() or [''])[-1][:100]} | | | | | | | |")
                     continue
                 peak = lambda key: max(r[key] for r in rows) / gib
+                ckpt_load = (f"{peak('ckpt_load'):.2f}" if rows[0]["ckpt_load"] is not None else
+                             f"not run: {world_size} ranks x 2 x {3 * full / gib:.1f} GiB > half this machine's memory")
                 print(f"| {world_size} | {method} | {peak('load'):.2f} | {peak('load_rss'):.2f} | {peak('held'):.2f} | "
-                      f"{peak('save'):.2f} | {peak('save_rss'):.2f} | {(full / world_size + largest) / gib:.2f} |", flush=True)
+                      f"{peak('save'):.2f} | {peak('save_rss'):.2f} | {peak('ckpt_save'):.2f} | {ckpt_load} | "
+                      f"{(full / world_size + largest) / gib:.2f} |", flush=True)
 
 
 if __name__ == "__main__":
