@@ -305,7 +305,8 @@ def setup(config, kind, builtin_sizes=None, choices=None):
     raw_model.activation_checkpointing = c["activation_checkpointing"]
     compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
     if c["compile"] == "auto" and not compiled:
-        print0("compile='auto': off on CPU, where the compiled blocks measured slower than eager (bench/RESULTS.md)")
+        print0("compile='auto': off on CPU, where compiling costs seconds at every start for a gain within noise "
+               "(bench/RESULTS.md); --compile=True to use it anyway")
     if compiled:
         # Per block: the chunked loss's loop stays eager, each block is one graph, with the token count, the
         # number of sequences and max_seqlen dynamic: micro-batches run at their real length, no padding

@@ -219,42 +219,49 @@ if HAS_TRITON:
         _rotate_tile(q_ptr, q_out_ptr, q_stride_t, q_stride_h, n_q_head, tok, cos, sin, HQ_PAD, HALF)
         _rotate_tile(k_ptr, k_out_ptr, k_stride_t, k_stride_h, n_kv_head, tok, cos, sin, HKV_PAD, HALF)
 
+    # A torch custom op, so torch.compile(dynamic=True) keeps the fused RoPE inside a compiled block's graph
+    # with a symbolic T: the compiler sees the op and its fake (shape-only) version below, never the kernel.
+    # custom_op, not triton_op: triton_op's tracing of the kernel cannot run under TRITON_INTERPRET=1, so the
+    # CPU test could not compile the graph a GPU run compiles; Inductor runs the kernel as written either way.
+    @torch.library.custom_op("nanopack::rope", mutates_args=())
+    def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 position_ids: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        T, n_q_head, D = q.shape
+        n_kv_head = k.shape[1]
+        # Token and head strides go to the kernel, so q/k slices of a fused qkv projection are read in
+        # place; only a non-unit last-dim stride (not produced by slicing heads) costs a copy.
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # outputs contiguous: (T, Hq, D)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        # Launch design: one program = BLOCK_T tokens x all heads of q and k, so each (cos, sin) row is
+        # loaded once and reused for Hq + Hkv heads. RoPE is memory-bound; the tile is sized to ~2048
+        # elements per half (Llama-3-8B: 1 token x 32 heads x 64; small models get more tokens per
+        # program) which keeps registers low at num_warps=4 and gives T/BLOCK_T programs, plenty to
+        # fill an H100's 132 SMs at packed lengths of thousands of tokens.
+        hq_pad = triton.next_power_of_2(n_q_head)
+        block_t = max(1, 2048 // (hq_pad * (D // 2)))
+        grid = (triton.cdiv(T, block_t),)
+        _rope_kernel[grid](q, k, q_out, k_out, cos, sin, position_ids, T,
+                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), n_q_head, n_kv_head,
+                           BLOCK_T=block_t, HQ_PAD=hq_pad, HKV_PAD=triton.next_power_of_2(n_kv_head),
+                           HALF=D // 2, INVERSE=inverse)
+        return q_out, k_out
 
-def _rope_launch(q, k, cos, sin, position_ids, inverse):
-    T, n_q_head, D = q.shape
-    n_kv_head = k.shape[1]
-    # Token and head strides go to the kernel, so q/k slices of a fused qkv projection are read in
-    # place; only a non-unit last-dim stride (not produced by slicing heads) costs a copy.
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # outputs contiguous: (T, Hq, D)
-    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    # Launch design: one program = BLOCK_T tokens x all heads of q and k, so each (cos, sin) row is
-    # loaded once and reused for Hq + Hkv heads. RoPE is memory-bound; the tile is sized to ~2048
-    # elements per half (Llama-3-8B: 1 token x 32 heads x 64; small models get more tokens per
-    # program) which keeps registers low at num_warps=4 and gives T/BLOCK_T programs, plenty to
-    # fill an H100's 132 SMs at packed lengths of thousands of tokens.
-    hq_pad = triton.next_power_of_2(n_q_head)
-    block_t = max(1, 2048 // (hq_pad * (D // 2)))
-    grid = (triton.cdiv(T, block_t),)
-    _rope_kernel[grid](q, k, q_out, k_out, cos, sin, position_ids, T,
-                       q.stride(0), q.stride(1), k.stride(0), k.stride(1), n_q_head, n_kv_head,
-                       BLOCK_T=block_t, HQ_PAD=hq_pad, HKV_PAD=triton.next_power_of_2(n_kv_head),
-                       HALF=D // 2, INVERSE=inverse)
-    return q_out, k_out
+    @_rope_op.register_fake
+    def _(q, k, cos, sin, position_ids, inverse):
+        return q.new_empty(q.shape), k.new_empty(k.shape)  # contiguous, as the kernel writes them
 
-
-class _RopeFused(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, cos, sin, position_ids):
+    def _rope_setup_context(ctx, inputs, output):
+        _, _, cos, sin, position_ids, _ = inputs
         ctx.save_for_backward(cos, sin, position_ids)
-        return _rope_launch(q, k, cos, sin, position_ids, inverse=False)
 
-    @staticmethod
-    def backward(ctx, grad_q, grad_k):
+    def _rope_backward(ctx, grad_q, grad_k):
         cos, sin, position_ids = ctx.saved_tensors
-        grad_q, grad_k = _rope_launch(grad_q, grad_k, cos, sin, position_ids, inverse=True)
-        return grad_q, grad_k, None, None, None  # cos/sin are fixed buffers, positions are ints
+        grad_q, grad_k = _rope_op(grad_q, grad_k, cos, sin, position_ids, True)
+        return grad_q, grad_k, None, None, None, None  # cos/sin are fixed buffers, positions are ints
+
+    _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 
 
 def rope_fused(q, k, cos, sin, position_ids):
@@ -267,11 +274,14 @@ def rope_fused(q, k, cos, sin, position_ids):
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
     # The tables are small and already contiguous float32 in the model: these are no-op guards.
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    return _RopeFused.apply(q, k, cos, sin, position_ids.contiguous())
+    return _rope_op(q, k, cos, sin, position_ids.contiguous(), False)
+
+
+ROPE_BACKEND = None  # None: fused on CUDA when triton is installed, else the reference; tests may force "fused"
 
 
 def apply_rope(q, k, cos, sin, position_ids):
-    if q.is_cuda and HAS_TRITON:
+    if ROPE_BACKEND == "fused" or (ROPE_BACKEND is None and q.is_cuda and HAS_TRITON):
         return rope_fused(q, k, cos, sin, position_ids)
     return rope_reference(q, k, cos, sin, position_ids)
 

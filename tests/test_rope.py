@@ -1,5 +1,7 @@
 """RoPE: the eager reference against an independent formula, and the fused Triton kernel against the
-reference (outputs and gradients) under the Triton CPU interpreter and, where there is a GPU, compiled."""
+reference (outputs and gradients) under the Triton CPU interpreter and, where there is a GPU, compiled; and
+the fused kernel inside torch.compile'd blocks (dynamic shapes) against the eager reference model."""
+import copy
 import importlib.util
 import os
 import subprocess
@@ -83,15 +85,72 @@ def check_fused_vs_reference(device, cases=CASES):
                                        msg=lambda m: f"{name} {lengths} Hq={n_q} Hkv={n_kv} D={D} {dtype}: {m}")
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
-def test_fused_matches_reference_interpreter():
+def check_compiled_blocks_vs_eager():
+    """The tiny model with its blocks compiled as common.py does (dynamic=True, no padding) and the fused RoPE
+    forced on, against an eager copy with the reference RoPE: loss and every gradient, at two packed lengths."""
+    import model as M
+    from conftest import next_token_targets
+    torch.manual_seed(0)
+    net = M.Transformer(M.config_from_preset("tiny", vocab_size=64))  # head_dim 16: the kernel's smallest
+    ref = copy.deepcopy(net)
+    graphs = []
+
+    def inductor_recording(gm, example_inputs):  # Inductor (the CPU backend users get), keeping each graph
+        graphs.append(gm)
+        return torch._inductor.compile(gm, example_inputs)
+
+    for block in net.layers:
+        block.compile(backend=inductor_recording, dynamic=True)
+    n_graphs = []
+    for lengths in ([5, 17, 1, 30], [9, 40, 3]):  # T = 53, then 52 with one sequence fewer
+        ids = torch.randint(0, 64, (sum(lengths),))
+        pos = packed_positions(lengths)
+        cu = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        targets = next_token_targets(ids, cu)
+        results = []
+        for rope_backend, model in (("reference", ref), ("fused", net)):
+            M.ROPE_BACKEND = rope_backend
+            model.zero_grad()
+            loss, _ = model(ids, pos, cu, max(lengths), targets=targets)
+            loss.backward()
+            results.append([loss] + [p.grad for p in model.parameters()])
+        # Inductor fuses RMSNorm and SwiGLU into its own loops and may sum in another order: float32
+        # rounding only (seen here: the summed loss equal, gradients up to ~5 within 1e-6). A wrong position,
+        # sign or backward in the RoPE path is off by the size of the values (a forward rotation in backward:
+        # 5e-2 on the embedding gradient), far outside atol 1e-5 + rtol 1e-4.
+        for name, eager, compiled in zip(["loss"] + [n for n, _ in net.named_parameters()], *results):
+            torch.testing.assert_close(compiled, eager, atol=1e-5, rtol=1e-4, msg=lambda m: f"{lengths} {name}: {m}")
+        n_graphs.append(len(graphs))
+    M.ROPE_BACKEND = None
+    assert n_graphs[1] == n_graphs[0], f"the second length recompiled: graphs {n_graphs}"
+    # the op is traced into a compiled graph (the blocks share one compiled code), not run beside it
+    rope_calls = sum(str(node.target) == "nanopack.rope.default" for gm in graphs for node in gm.graph.nodes)
+    assert rope_calls >= 1, "the fused RoPE was split out of the compiled graphs"
+
+
+CHECKS = dict(kernel=lambda: check_fused_vs_reference("cpu"), compiled=check_compiled_blocks_vs_eager)
+
+
+def run_interpreted(check, cache_dir):
     # TRITON_INTERPRET is read when triton is first imported, and another test file may already have
     # imported triton in this pytest process; only a fresh Python with the variable set is certain to
     # run the kernel under the CPU interpreter. The subprocess runs this file's __main__ below.
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, os.path.abspath(__file__)], cwd=ROOT, env=env,
+    # An empty Inductor cache: its key does not cover a custom op's Python backward, so a warm cache
+    # could replay the compiled backward of an older rope and hide a change to it.
+    env = dict(os.environ, TRITON_INTERPRET="1", TORCHINDUCTOR_CACHE_DIR=str(cache_dir))
+    run = subprocess.run([sys.executable, os.path.abspath(__file__), check], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_fused_matches_reference_interpreter(tmp_path):
+    run_interpreted("kernel", tmp_path)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
+def test_compiled_blocks_with_fused_rope_interpreter(tmp_path):
+    run_interpreted("compiled", tmp_path)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -101,7 +160,8 @@ def test_fused_matches_reference_cuda():
     check_fused_vs_reference("cuda", CASES + [(lengths, 32, 8, 128, torch.bfloat16, True)])
 
 
-if __name__ == "__main__":  # the interpreter test's subprocess
+if __name__ == "__main__":  # the interpreter tests' subprocess: python tests/test_rope.py kernel|compiled
     assert os.environ.get("TRITON_INTERPRET") == "1", "run through pytest, or set TRITON_INTERPRET=1"
-    check_fused_vs_reference("cpu")
-    print("rope_fused matches rope_reference under the Triton interpreter")
+    check = sys.argv[1] if len(sys.argv) > 1 else "kernel"
+    CHECKS[check]()
+    print(f"{check}: rope_fused matches rope_reference under the Triton interpreter")
