@@ -33,6 +33,9 @@ from model import PRESETS, ModelConfig, Transformer, config_from_preset, read_hf
 from packing import PackedLoader
 from tokenizer import Tokenizer, get_tokenizer
 
+# DCP in one process (no process group) warns at every save and load that it assumes one process: we mean it
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
 # -----------------------------------------------------------------------------
 # distributed
 
@@ -552,9 +555,7 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
     path = os.path.join(folder, ckpt["weights"])
     if not os.path.isdir(path):
         raise SystemExit(f"{path} is missing: ckpt.pt names it as holding the weights; the run folder is incomplete")
-    with warnings.catch_warnings():  # one process: DCP warns that it assumes one process, which is what we mean
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     set_model_state_dict(model, state["model"])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"])

@@ -92,3 +92,20 @@ def test_checkpoints_resume_across_world_sizes_and_layouts(tmp_path):
         run_script("train_sft.py", as_args(out_dir=out_dir, init_from="resume", parallel="fsdp", max_iters=4), nproc=then)
         assert sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt")) == ["ckpt-000004-0", "ckpt.pt"]
         assert_same_run(straight, out_dir)  # float32, sums in another order across layouts: 1e-5 / 1e-4
+
+
+def test_a_half_written_checkpoint_is_never_the_one_resumed(tmp_path):
+    """A kill while a DCP folder is written leaves it half full, but ckpt.pt still names the previous complete one:
+    resume uses that, and the next save removes the leftover."""
+    data = builtin_data(tmp_path / "data", "sft", n_train=32, n_val=8)
+    out_dir = str(tmp_path / "run")
+    cfg = dict(out_dir=out_dir, data=data, preset="tiny", batch_size=8, max_iters=2, log_interval=1, eval_interval=2,
+               eval_examples=0)
+    run_script("train_sft.py", as_args(**cfg))
+    half = os.path.join(out_dir, "ckpt-000003-0")
+    os.makedirs(half)
+    with open(os.path.join(half, "__0_0.distcp"), "wb") as f:
+        f.write(b"\0" * 100)  # no .metadata: DCP could not load this folder
+    out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=4"])
+    assert "resumed" in out.stdout.lower() or "iter 3/4" in out.stdout, out.stdout[-2000:]
+    assert sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt")) == ["ckpt-000004-0", "ckpt.pt"]
