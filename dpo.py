@@ -18,6 +18,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import all_reduce_sum, initial_model, print0, wrap_model
+from model import Transformer
 from packing import make_batch, pack, shared_prefixes
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "dpo_norm", "simpo")
@@ -114,10 +115,18 @@ def reference(mode, run, config, key):
     n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
     if mode == "none":
         return Reference(torch.zeros(n_train, 2, device=device), torch.zeros(n_val, 2, device=device))
-    if mode == "live":
-        ref_model = initial_model(run.start, run.tok, c["seed"]).requires_grad_(False).eval().to(device)
-        if c["parallel"] == "fsdp":  # sharded like the policy, so both compute in the same precision
-            ref_model = wrap_model(ref_model, c["parallel"], run.world_size, getattr(torch, run.dtype))
+    if mode == "live":  # under FSDP2 sharded like the policy, so both compute in the same precision
+        if c["parallel"] == "fsdp" and run.world_size > 1 and run.start["init_from"] != "scratch":
+            with torch.device("meta"):  # as the policy: each rank reads only its own rows of the folder
+                ref_model = Transformer(run.raw_model.config)
+            wrap_model(ref_model, "fsdp", run.world_size, getattr(torch, run.dtype))
+            ref_model.to_empty(device=device)
+            ref_model.load_hf_weights(run.start["init_from"])
+        else:
+            ref_model = initial_model(run.start, run.tok, c["seed"]).to(device)
+            ref_model = wrap_model(ref_model, c["parallel"], run.world_size, getattr(torch, run.dtype)) if (
+                c["parallel"] == "fsdp") else ref_model
+        ref_model.requires_grad_(False).eval()
         return Reference(val=logps(ref_model, run.val_data), model=ref_model, autocast=run.autocast)
 
     folder = os.path.join(c["out_dir"], "reference")
@@ -143,7 +152,8 @@ def reference(mode, run, config, key):
                            seconds=seconds), f, indent=2)
     if dist.is_initialized():
         dist.barrier()
-    tokens = int(run.train_data["offsets"][-1]) + int(run.val_data["offsets"][-1])
+    tokens = sum(int(d["offsets"][-1]) - (int(shared_prefixes(d).sum()) if c["prefix_sharing"] else 0)
+                 for d in (run.train_data, run.val_data))  # as computed: a shared prompt once
     print0(f"reference log-probs: {n_train} train + {n_val} val pairs, {tokens:,} tokens in {seconds:.1f}s "
            f"({tokens / seconds / run.world_size:,.0f} tok/s/gpu), saved as {key_path}")
     return Reference(train, val)

@@ -109,3 +109,19 @@ def test_a_half_written_checkpoint_is_never_the_one_resumed(tmp_path):
     out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=4"])
     assert "resumed" in out.stdout.lower() or "iter 3/4" in out.stdout, out.stdout[-2000:]
     assert sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt")) == ["ckpt-000004-0", "ckpt.pt"]
+
+
+def test_live_reference_under_fsdp_from_a_folder_equals_the_cached_one(tmp_path):
+    """train_dpo.py from a model folder: FSDP2 on 2 ranks with a live reference (built sharded, each rank reading its
+    own rows) takes the steps of one process with the cached reference."""
+    from test_train_dpo import assert_same_run, common_args
+    from tokenizer import get_tokenizer
+    torch.manual_seed(0)
+    folder = str(tmp_path / "hf")
+    Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)).save_pretrained(folder)
+    pairs = builtin_data(tmp_path / "pairs", "dpo", n_train=48, n_val=8)
+    cached, live = str(tmp_path / "cached"), str(tmp_path / "live")
+    run_script("train_dpo.py", common_args(cached, pairs, init_from=folder, max_iters=3))
+    run_script("train_dpo.py", common_args(live, pairs, init_from=folder, max_iters=3, reference="live",
+                                           parallel="fsdp", microbatch_tokens=1024), nproc=2)
+    assert_same_run(cached, live)
