@@ -468,7 +468,7 @@ def lr_at(it, max_iters, learning_rate, min_lr, warmup_iters):
 
 
 # -----------------------------------------------------------------------------
-# checkpoints: one file, written atomically, loadable with weights_only=True
+# checkpoints: a DCP folder of sharded tensors + a small ckpt.pt naming it, replaced atomically
 
 
 def rng_state():
@@ -550,8 +550,11 @@ def load_checkpoint(path):
 def restore_checkpoint(ckpt, folder, model, optimizer=None):
     """Load the checkpoint's weights (and optimizer state) from its DCP folder into a placed model, whatever its
     world size and layout: each rank reads the pieces its own parameters need."""
-    model_sd, optim_sd = get_state_dict(model, optimizer) if optimizer else (get_model_state_dict(model), None)
-    state = dict(model=model_sd) if optimizer is None else dict(model=model_sd, optimizer=optim_sd)
+    if optimizer is None:
+        state = dict(model=get_model_state_dict(model))
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = dict(model=model_sd, optimizer=optim_sd)
     path = os.path.join(folder, ckpt["weights"])
     if not os.path.isdir(path):
         raise SystemExit(f"{path} is missing: ckpt.pt names it as holding the weights; the run folder is incomplete")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from common import all_reduce_sum, initial_model, print0, wrap_model
 from model import Transformer
-from packing import make_batch, pack, shared_prefixes
+from packing import make_batch, pack
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "dpo_norm", "simpo")
 
@@ -64,15 +64,15 @@ def response_lengths(split_data, device):
 
 
 @torch.no_grad()
-def split_logps(model, split_data, budget, device, autocast, prefix_sharing=False):
+def split_logps(model, split_data, budget, device, autocast, prefix=None):
     """(P, 2) log-prob sums [chosen, rejected] of every pair of a split, forward only, the same on every rank:
     each rank runs its share of the packed bins and the shares are summed over ranks. Every rank runs the same
-    number of forwards (a filler when its share is done), since under FSDP each forward is a collective."""
+    number of forwards (a filler when its share is done), since under FSDP each forward is a collective.
+    prefix: the split's shared_prefixes(), each computed once (None: pairs laid out whole)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     was_training = model.training
     model.eval()
     lengths = np.diff(np.asarray(split_data["offsets"])).reshape(-1, 2).sum(1)  # (P,) tokens per pair
-    prefix = shared_prefixes(split_data) if prefix_sharing else None
     if prefix is not None:
         lengths = lengths - prefix
     bins = pack(lengths, budget) if len(lengths) else []
@@ -106,12 +106,14 @@ class Reference:
             return mb.pair_sums(self.model(**mb.inputs(), logprobs=True))
 
 
-def reference(mode, run, config, key):
+def reference(mode, run, config, key, val_prefix=None):
     """Build the Reference for `mode` ('cached', 'live' or 'none'). Cached log-probs live in
-    out_dir/reference/<key>_{train,val}.npy, with <key>.json written last (its presence means complete)."""
+    out_dir/reference/<key>_{train,val}.npy, with <key>.json written last (its presence means complete).
+    The train split's shared prefixes are the loader's, the val split's val_prefix (None: no prefix sharing)."""
     c, device = config, run.device
     budget = 4 * c["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
-    logps = lambda model, split: split_logps(model, split, budget, device, run.autocast, c["prefix_sharing"])
+    train_logps = lambda model: split_logps(model, run.train_data, budget, device, run.autocast, run.loader.prefix)
+    val_logps = lambda model: split_logps(model, run.val_data, budget, device, run.autocast, val_prefix)
     n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
     if mode == "none":
         return Reference(torch.zeros(n_train, 2, device=device), torch.zeros(n_val, 2, device=device))
@@ -127,7 +129,7 @@ def reference(mode, run, config, key):
             ref_model = wrap_model(ref_model, c["parallel"], run.world_size, getattr(torch, run.dtype)) if (
                 c["parallel"] == "fsdp") else ref_model
         ref_model.requires_grad_(False).eval()
-        return Reference(val=logps(ref_model, run.val_data), model=ref_model, autocast=run.autocast)
+        return Reference(val=val_logps(ref_model), model=ref_model, autocast=run.autocast)
 
     folder = os.path.join(c["out_dir"], "reference")
     paths = {split: os.path.join(folder, f"{key}_{split}.npy") for split in ("train", "val")}
@@ -139,7 +141,7 @@ def reference(mode, run, config, key):
         raise SystemExit(f"{key_path} is missing: the reference log-probs of the run being resumed are gone, and "
                          f"its checkpoint holds the trained weights, not the reference; start the run again")
     t0 = time.perf_counter()
-    train, val = logps(run.model, run.train_data), logps(run.model, run.val_data)  # the policy has not moved yet
+    train, val = train_logps(run.model), val_logps(run.model)  # the policy has not moved yet
     seconds = time.perf_counter() - t0
     if run.master:
         os.makedirs(folder, exist_ok=True)
@@ -152,8 +154,8 @@ def reference(mode, run, config, key):
                            seconds=seconds), f, indent=2)
     if dist.is_initialized():
         dist.barrier()
-    tokens = sum(int(d["offsets"][-1]) - (int(shared_prefixes(d).sum()) if c["prefix_sharing"] else 0)
-                 for d in (run.train_data, run.val_data))  # as computed: a shared prompt once
+    tokens = int(run.loader.lengths.sum()) + int(run.val_data["offsets"][-1]) - int(
+        0 if val_prefix is None else val_prefix.sum())  # as computed: a shared prompt once
     print0(f"reference log-probs: {n_train} train + {n_val} val pairs, {tokens:,} tokens in {seconds:.1f}s "
            f"({tokens / seconds / run.world_size:,.0f} tok/s/gpu), saved as {key_path}")
     return Reference(train, val)

@@ -21,6 +21,7 @@ import dpo
 from common import print0
 from configurator import configure
 import data.arithmetic as builtin_task
+from packing import shared_prefixes
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
@@ -75,7 +76,8 @@ logger = common.MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name,
 # ---- reference log-probs: computed once from the initial weights (or a live frozen copy of them)
 t_ref = time.perf_counter()
 ref_key = run.saved.get("ref_key") or dpo.reference_key(run, seed)
-ref = dpo.reference(reference_mode, run, config, ref_key)
+val_prefix = shared_prefixes(run.val_data) if prefix_sharing else None  # the train split's: loader.prefix
+ref = dpo.reference(reference_mode, run, config, ref_key, val_prefix)
 ref_cache_seconds = time.perf_counter() - t_ref
 lengths_train, lengths_val = dpo.response_lengths(run.train_data, device), dpo.response_lengths(run.val_data, device)
 chosen_targets = lengths_train[:, 0].cpu().numpy()  # step normaliser for sft_weight, read on the host
@@ -104,7 +106,7 @@ def evaluate():
     the built-in task; printed and logged."""
     out = {}
     if len(lengths_val):
-        policy = dpo.split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, prefix_sharing)
+        policy = dpo.split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix)
         losses, rewards_c, rewards_r = dpo.dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
                                                     lengths_val[:, 0], lengths_val[:, 1], loss_type, beta,
                                                     label_smoothing, gamma)
