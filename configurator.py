@@ -12,16 +12,24 @@ With `finetune` values, a run that starts from a pretrained model (init_from a f
 as real checkpoints do; not one of our toy runs' exports) uses them for the keys argv does not set, and says so:
 toy learning rates destroy a real model.
 
+Then, for a training script (kind given), every value a user can get wrong is checked before any data is tokenized
+or model loaded (check_config): one `config error:` line each, naming the key, the value and what is accepted.
+
 With init_from='resume' the run continues with the config saved in out_dir/ckpt.pt: keys not given again keep
 the run's values, keys given with another value are printed ("overriding learning_rate 1e-05 -> 2e-05"), and
 keys that fix what the run trains on (FIXED_ON_RESUME) cannot change.
 """
 
 import ast
+import math
 import os
 import sys
 
 import torch
+
+from model import PRESETS
+from parallel import is_master
+from tokenizer import Tokenizer
 
 FIXED_ON_RESUME = ("data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong", "val_fraction")
 
@@ -34,7 +42,8 @@ def _check(config, key, value, where):
     if key not in config:
         close = [k for k in config if k.split("_")[0] == key.split("_")[0]][:5]
         hint = f" (similar: {', '.join(close)})" if close else ""
-        raise ConfigError(f"{where}: unknown config key {key!r}{hint}; the keys are the globals at the top of the script")
+        raise ConfigError(f"{where}: unknown config key {key!r}{hint}; the keys are the globals at the top of the "
+                          f"script")
     default = config[key]
     if default in (None, "auto"):
         return value  # None and 'auto' defaults take values of other types too; the script checks them
@@ -54,9 +63,10 @@ def _parse(text):
         return text  # a bare word is a string: --init_from=resume
 
 
-def configure(config, argv=None, finetune=None):
+def configure(config, argv=None, finetune=None, kind=None, choices=None):
     """Update the dict `config` (a script's globals()) in place from argv, and from the saved config of the run
-    being resumed; returns the plain config values. A mistake ends the program with its one-line message."""
+    being resumed; returns the plain config values, checked when kind ('sft', 'dpo') is given, with the script's
+    own {key: allowed values} in choices. A mistake ends the program with its one-line message."""
     given = set()  # keys set by argv: a config file or --key=value
     try:
         values = apply_overrides(config, sys.argv[1:] if argv is None else argv, given)
@@ -66,12 +76,73 @@ def configure(config, argv=None, finetune=None):
             chosen = {k: v for k, v in finetune.items() if k not in given}
             for key, value in chosen.items():
                 values[key] = config[key] = value
-            if chosen and int(os.environ.get("RANK", 0)) == 0:
+            if chosen and is_master():
                 print(f"fine-tuning a pretrained model: {', '.join(f'{k}={v}' for k, v in chosen.items())} "
                       f"(defaults for real models; set them to change)", flush=True)
     except ConfigError as e:
         raise SystemExit(f"config error: {e}") from None
+    if kind is not None:
+        check_config(values, kind, choices or {})
     return values
+
+
+def check_config(c, kind, choices):
+    """Every value a user can get wrong, checked before any data is tokenized or model loaded: one
+    `config error:` line each, naming the key, the value and what is accepted."""
+    def bad(key, accepted):
+        raise SystemExit(f"config error: {key}={c[key]!r}; {accepted}")
+
+    choices = dict(device=("auto", "cpu", "cuda"), dtype=("auto", "bfloat16", "float32"), compile=("auto", True, False),
+                   parallel=("ddp", "fsdp"),
+                   overlong=("error", "truncate", "skip"), loss_weighting=("token", "sequence"), **choices)
+    for key, allowed in choices.items():
+        if key in c and c[key] not in allowed:
+            why = "; float16 needs loss scaling that nanopack does not do: bfloat16 has float32's range" * (
+                c[key] in ("float16", "fp16", "half"))
+            bad(key, f"choose one of {', '.join(allowed)}{why}")
+    at_least = dict(batch_size=1, microbatch_tokens=1, log_interval=1, max_len=1, max_bad_steps=1, dist_timeout=1,
+                    max_iters=0, eval_interval=0, eval_examples=0, warmup_iters=0, weight_decay=0.0, grad_clip=0.0,
+                    min_lr=0.0, label_smoothing=0.0, sft_weight=0.0)
+    for key, low in at_least.items():
+        if key in c and c[key] < low:
+            bad(key, f"it must be at least {low}")
+    for key in ("learning_rate", "epochs", "beta"):
+        if key in c and not 0 < c[key] < math.inf:
+            bad(key, "it must be a finite number greater than 0")
+    if c["min_lr"] > c["learning_rate"]:
+        bad("min_lr", f"it must not exceed learning_rate={c['learning_rate']} (the schedule decays to it)")
+    if not 0 <= c["seed"] < 2**32:
+        bad("seed", "it must be in [0, 2**32)")
+    if not 0.0 <= c["val_fraction"] < 1.0:
+        bad("val_fraction", "it must be in [0, 1)")
+    if kind == "dpo" and (c["label_smoothing"] >= 0.5 or (c["label_smoothing"] and c["loss_type"] in ("ipo", "hinge"))):
+        bad("label_smoothing", "it must be below 0.5, and 0 for ipo and hinge")
+    if c["device"] == "cuda" and not torch.cuda.is_available():
+        bad("device", "this machine has no CUDA GPU (torch.cuda.is_available() is False); use 'auto' or 'cpu'")
+    if c["init_from"] == "scratch" and c["preset"] not in PRESETS:
+        bad("preset", f"choose one of {', '.join(PRESETS)}")
+    if c["init_from"] not in ("scratch", "resume") and not os.path.isfile(os.path.join(c["init_from"], "config.json")):
+        hint = "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`" * (kind == "dpo")
+        bad("init_from", f"it is neither 'scratch', 'resume' nor a Hugging Face model folder (with a config.json)"
+                         f"{hint}")
+    if c["tokenizer"] not in ("", "byte") and not Tokenizer.has_files(c["tokenizer"]):
+        bad("tokenizer", "use 'byte' or a folder with tokenizer.json or tokenizer.model")
+    data = c["data"]
+    if data != "builtin" and not (data.endswith(".jsonl") and os.path.isfile(data)) and not os.path.isfile(
+            os.path.join(data, "meta.json")):
+        what = ("no such file" if data.endswith(".jsonl") else
+                "not a .jsonl file nor a folder written by data/prepare.py")
+        bad("data", f"{what}; use 'builtin', a chat .jsonl file, or a folder written by data/prepare.py")
+    try:  # can we write where the run will live? Better now than after an hour of training
+        os.makedirs(c["out_dir"], exist_ok=True)
+        with open(os.path.join(c["out_dir"], f".write_test_{os.getpid()}"), "w") as f:
+            f.write("ok")
+        os.remove(f.name)
+    except OSError as e:
+        bad("out_dir", f"cannot write there ({e.strerror}); choose a writable folder")
+    if c["init_from"] != "resume" and not c["overwrite"] and os.path.exists(os.path.join(c["out_dir"], "ckpt.pt")):
+        raise SystemExit(f"config error: {c['out_dir']} already holds a run (ckpt.pt); continue it with "
+                         f"--init_from=resume, or start over there with --overwrite=True, or choose another out_dir")
 
 
 def pretrained(init_from):
@@ -94,7 +165,7 @@ def restore_saved(config, values, given):
         elif key in FIXED_ON_RESUME:
             raise ConfigError(f"{key}={new!r} differs from the run being resumed ({key}={old!r}), and {key} cannot "
                               f"change on resume; drop --{key}, or start a new run in another out_dir")
-        elif int(os.environ.get("RANK", 0)) == 0:
+        elif is_master():
             print(f"resume: overriding {key} {old!r} -> {new!r}", flush=True)
     return values
 

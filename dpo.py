@@ -17,9 +17,9 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from common import all_reduce_sum, initial_model, print0, wrap_model
-from model import Transformer
+from common import build_model
 from packing import make_batch, pack
+from parallel import all_reduce_sum, print0
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "dpo_norm", "simpo")
 
@@ -46,11 +46,15 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, len_chose
     return losses, beta * (pc - rc).detach(), beta * (pr - rr).detach()
 
 
+STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "logps_chosen", "logps_rejected")
+
+
 def pair_stats(losses, rewards_chosen, rewards_rejected, policy_chosen, policy_rejected):
-    """Sums over pairs, (6,): loss, rewards chosen / rejected, pairs whose chosen reward is the higher (a per-pair
-    comparison, not a comparison of mean rewards), log-probs chosen / rejected. Summed, all-reduced, then divided."""
-    return torch.stack([losses.sum(), rewards_chosen.sum(), rewards_rejected.sum(),
-                        (rewards_chosen > rewards_rejected).sum(), policy_chosen.sum(), policy_rejected.sum()]).detach()
+    """Sums over pairs, by name (STATS); reward_accuracy counts the pairs whose chosen reward is the higher (a
+    per-pair comparison, not a comparison of mean rewards). Summed over steps and ranks, then divided."""
+    values = (losses, rewards_chosen, rewards_rejected, (rewards_chosen > rewards_rejected).float(), policy_chosen,
+              policy_rejected)
+    return {k: v.detach().sum() for k, v in zip(STATS, values)}
 
 
 def response_lengths(split_data, device):
@@ -82,7 +86,7 @@ def split_logps(model, split_data, budget, device, autocast, prefix=None):
         mb = make_batch(split_data, bins[j] if j < len(bins) else [], dpo=True, prefix=prefix).to(device)
         with autocast:
             logps = model(**mb.inputs(), logprobs=True)
-        sums[mb.pair_indices] = torch.stack(mb.pair_sums(logps), 1)
+        sums[mb.units] = torch.stack(mb.pair_sums(logps), 1)
     if dist.is_initialized():
         dist.all_reduce(sums)
     model.train(was_training)
@@ -100,7 +104,7 @@ class Reference:
     def __call__(self, mb):
         """-> (chosen (P,), rejected (P,)) for the pairs of a training micro-batch."""
         if self.model is None:
-            ref = self.train[mb.pair_indices]
+            ref = self.train[mb.units]
             return ref[:, 0], ref[:, 1]
         with torch.no_grad(), self.autocast:
             return mb.pair_sums(self.model(**mb.inputs(), logprobs=True))
@@ -118,16 +122,9 @@ def reference(mode, run, config, key, val_prefix=None):
     if mode == "none":
         return Reference(torch.zeros(n_train, 2, device=device), torch.zeros(n_val, 2, device=device))
     if mode == "live":  # under FSDP2 sharded like the policy, so both compute in the same precision
-        if c["parallel"] == "fsdp" and run.world_size > 1 and run.start["init_from"] != "scratch":
-            with torch.device("meta"):  # as the policy: each rank reads only its own rows of the folder
-                ref_model = Transformer(run.raw_model.config)
-            wrap_model(ref_model, "fsdp", run.world_size, getattr(torch, run.dtype))
-            ref_model.to_empty(device=device)
-            ref_model.load_hf_weights(run.start["init_from"])
-        else:
-            ref_model = initial_model(run.start, run.tok, c["seed"]).to(device)
-            ref_model = wrap_model(ref_model, c["parallel"], run.world_size, getattr(torch, run.dtype)) if (
-                c["parallel"] == "fsdp") else ref_model
+        parallel = "fsdp" if c["parallel"] == "fsdp" else None  # no gradients: nothing for DDP to do
+        ref_model, _ = build_model(run.raw_model.config, run.start, c["seed"], device, parallel, run.world_size,
+                                   getattr(torch, run.dtype))
         ref_model.requires_grad_(False).eval()
         return Reference(val=val_logps(ref_model), model=ref_model, autocast=run.autocast)
 
@@ -137,7 +134,7 @@ def reference(mode, run, config, key, val_prefix=None):
     if all_reduce_sum([float(os.path.exists(key_path))], device)[0] == run.world_size:
         print0(f"reference log-probs: loaded {key_path}")
         return Reference(*(torch.from_numpy(np.load(paths[s])).to(device) for s in ("train", "val")))
-    if run.iter_num:
+    if run.start_iter:
         raise SystemExit(f"{key_path} is missing: the reference log-probs of the run being resumed are gone, and "
                          f"its checkpoint holds the trained weights, not the reference; start the run again")
     t0 = time.perf_counter()

@@ -1,5 +1,5 @@
 """
-A Llama-style transformer that runs on a *packed* 1-D token stream.
+A Llama-style transformer that runs on a *packed* 1-D token stream: the network, and nothing else.
 
 Several sequences are concatenated into one stream of T tokens with no padding:
   input_ids    (T,)    the tokens
@@ -7,20 +7,17 @@ Several sequences are concatenated into one stream of T tokens with no padding:
   cu_seqlens   (N+1,)  int32 sequence boundaries: sequence i is [cu_seqlens[i], cu_seqlens[i+1])
   max_seqlen   int     the longest sequence (the attention kernels want it on the host)
 Attention never crosses a boundary, so the stream computes exactly what N separate padded rows would.
-Optionally kv = (kv_index, cu_seqlens_k, max_seqlen_k): keys and values come from k[kv_index], a stream
-of their own, so a query segment may also attend to tokens outside it (DPO prefix sharing: a rejected
-response attends to the prompt laid out once before the chosen one; see packing.py). Causal attention
-is then aligned at the bottom right: a segment's last query sees all of its keys.
+Optionally kv = (kv_index, cu_seqlens_k, max_seqlen_k): keys and values come from k[kv_index], a stream of
+their own, so a query segment may also attend to tokens outside it (a reply attends to its prompt, laid out
+once: see packing.py). Causal attention is then aligned at the bottom right: a segment's last query sees all
+of its keys.
 
-Contents, top to bottom: config + presets, RMSNorm, RoPE (eager reference + fused Triton kernel),
-attention (one dispatch over the varlen backends), the KV cache for generation, MLP, Block, Transformer,
-the LM-head loss that never materialises full logits, Hugging Face checkpoint load/save, FLOPs per token.
+Top to bottom: config + presets, RMSNorm, RoPE, attention (one dispatch over the varlen backends), MLP, Block,
+Transformer, FLOPs per token. The fused kernels are in kernels.py, Hugging Face I/O in hf.py, the KV cache
+in generate.py.
 """
-
 import inspect
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -29,15 +26,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-HAS_TRITON = False
-if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
-    # only where the fused kernel can run (or its CPU interpreter test): importing triton costs seconds
-    try:
-        import triton
-        import triton.language as tl
-        HAS_TRITON = True
-    except ImportError:  # the eager RoPE is used instead
-        pass
+import kernels
+from kernels import chunked_cross_entropy, chunked_logprobs
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -53,6 +43,8 @@ except ImportError:
 
 # -----------------------------------------------------------------------------
 # Config
+
+ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3")  # Hugging Face model_type values
 
 
 @dataclass
@@ -73,7 +65,7 @@ class ModelConfig:
     nope_layers: tuple = ()  # SmolLM3: indices of the layers that skip RoPE ("NoPE")
     tie_embeddings: bool = False
     sliding_window: Optional[int] = None  # Mistral: a token sees itself and the sliding_window-1 before it
-    arch: str = "llama"  # the Hugging Face architecture save_pretrained writes: a key of _HF_ARCH (llama, qwen2, ...)
+    arch: str = "llama"  # the Hugging Face architecture hf.save_pretrained writes: one of ARCHS
 
     def __post_init__(self):
         if self.n_kv_head is None:
@@ -82,7 +74,7 @@ class ModelConfig:
             self.head_dim = self.d_model // self.n_head
         assert self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}"
         assert self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}"
-        assert self.arch in _HF_ARCH, f"unknown arch {self.arch!r}"
+        assert self.arch in ARCHS, f"unknown arch {self.arch!r}; one of {ARCHS}"
         # checked here, not at export: a run must not train for hours a model save_pretrained cannot describe
         assert not self.qk_norm or self.arch == "qwen3", "qk_norm needs arch='qwen3'"
         assert not self.nope_layers or self.arch == "smollm3", "nope_layers needs arch='smollm3'"
@@ -143,7 +135,7 @@ class RMSNorm(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# RoPE: inverse frequencies (with Llama-3 / linear scaling), eager reference, fused Triton kernel
+# RoPE: inverse frequencies (with Llama-3 / linear scaling), the eager reference, dispatch to the fused kernel
 
 
 def rope_inv_freq(config):
@@ -187,102 +179,12 @@ def rope_reference(q, k, cos, sin, position_ids):
     return rotate(q), rotate(k)
 
 
-if HAS_TRITON:
-    @triton.jit
-    def _rotate_tile(x_ptr, out_ptr, stride_t, stride_h, n_head, tok, cos, sin,
-                     H_PAD: tl.constexpr, HALF: tl.constexpr):
-        # tok: (BLOCK_T,) int64 token indices (-1 where past T); cos, sin: (BLOCK_T, 1, HALF) float32
-        h = tl.arange(0, H_PAD)[None, :, None]
-        d = tl.arange(0, HALF)[None, None, :]
-        mask = (tok[:, None, None] >= 0) & (h < n_head)  # (BLOCK_T, H_PAD, 1), broadcast over d
-        x1_ptrs = x_ptr + tok[:, None, None] * stride_t + h * stride_h + d  # last dim is contiguous
-        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-        o1_ptrs = out_ptr + tok[:, None, None] * (n_head * 2 * HALF) + h * (2 * HALF) + d  # out is contiguous
-        tl.store(o1_ptrs, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-        tl.store(o1_ptrs + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, T,
-                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_q_head, n_kv_head,
-                     BLOCK_T: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
-                     HALF: tl.constexpr, INVERSE: tl.constexpr):
-        # int64 token index: T * stride of a fused qkv buffer can pass 2**31 at long packed lengths
-        tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        tok = tl.where(tok < T, tok, -1)
-        pos = tl.load(pos_ptr + tok, mask=tok >= 0, other=0)  # (BLOCK_T,) packed positions restart at 0
-        d = tl.arange(0, HALF)[None, None, :]
-        cos = tl.load(cos_ptr + pos[:, None, None] * HALF + d)  # (BLOCK_T, 1, HALF), read once for q and k
-        sin = tl.load(sin_ptr + pos[:, None, None] * HALF + d)
-        if INVERSE:  # backward: the rotation is orthogonal, so its transpose is the rotation by -angle
-            sin = -sin
-        _rotate_tile(q_ptr, q_out_ptr, q_stride_t, q_stride_h, n_q_head, tok, cos, sin, HQ_PAD, HALF)
-        _rotate_tile(k_ptr, k_out_ptr, k_stride_t, k_stride_h, n_kv_head, tok, cos, sin, HKV_PAD, HALF)
-
-    # A torch custom op, so torch.compile(dynamic=True) keeps the fused RoPE inside a compiled block's graph
-    # with a symbolic T: the compiler sees the op and its fake (shape-only) version below, never the kernel.
-    # custom_op, not triton_op: triton_op's tracing of the kernel cannot run under TRITON_INTERPRET=1, so the
-    # CPU test could not compile the graph a GPU run compiles; Inductor runs the kernel as written either way.
-    @torch.library.custom_op("nanopack::rope", mutates_args=())
-    def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 position_ids: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        T, n_q_head, D = q.shape
-        n_kv_head = k.shape[1]
-        # Token and head strides go to the kernel, so q/k slices of a fused qkv projection are read in
-        # place; only a non-unit last-dim stride (not produced by slicing heads) costs a copy.
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        k = k if k.stride(-1) == 1 else k.contiguous()
-        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # outputs contiguous: (T, Hq, D)
-        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        # Launch design: one program = BLOCK_T tokens x all heads of q and k, so each (cos, sin) row is
-        # loaded once and reused for Hq + Hkv heads. RoPE is memory-bound; the tile is sized to ~2048
-        # elements per half (Llama-3-8B: 1 token x 32 heads x 64; small models get more tokens per
-        # program) which keeps registers low at num_warps=4 and gives T/BLOCK_T programs, plenty to
-        # fill an H100's 132 SMs at packed lengths of thousands of tokens.
-        hq_pad = triton.next_power_of_2(n_q_head)
-        block_t = max(1, 2048 // (hq_pad * (D // 2)))
-        grid = (triton.cdiv(T, block_t),)
-        _rope_kernel[grid](q, k, q_out, k_out, cos, sin, position_ids, T,
-                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), n_q_head, n_kv_head,
-                           BLOCK_T=block_t, HQ_PAD=hq_pad, HKV_PAD=triton.next_power_of_2(n_kv_head),
-                           HALF=D // 2, INVERSE=inverse)
-        return q_out, k_out
-
-    @_rope_op.register_fake
-    def _(q, k, cos, sin, position_ids, inverse):
-        return q.new_empty(q.shape), k.new_empty(k.shape)  # contiguous, as the kernel writes them
-
-    def _rope_setup_context(ctx, inputs, output):
-        _, _, cos, sin, position_ids, _ = inputs
-        ctx.save_for_backward(cos, sin, position_ids)
-
-    def _rope_backward(ctx, grad_q, grad_k):
-        cos, sin, position_ids = ctx.saved_tensors
-        grad_q, grad_k = _rope_op(grad_q, grad_k, cos, sin, position_ids, True)
-        return grad_q, grad_k, None, None, None, None  # cos/sin are fixed buffers, positions are ints
-
-    _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
-
-
-def rope_fused(q, k, cos, sin, position_ids):
-    """Same contract as rope_reference, as one Triton launch for Q and K together (backward: one more)."""
-    if not HAS_TRITON:
-        raise RuntimeError("rope_fused needs triton (pip install triton); use rope_reference instead")
-    D = q.shape[-1]
-    if D < 16 or D & (D - 1) or k.shape[-1] != D or k.shape[0] != q.shape[0]:
-        raise ValueError(f"rope_fused needs q (T, Hq, D), k (T, Hkv, D) with D a power of two >= 16, "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
-    # The tables are small and already contiguous float32 in the model: these are no-op guards.
-    cos, sin = cos.float().contiguous(), sin.float().contiguous()
-    return _rope_op(q, k, cos, sin, position_ids.contiguous(), False)
-
-
 ROPE_BACKEND = None  # None: fused on CUDA when triton is installed, else the reference; tests may force "fused"
 
 
 def apply_rope(q, k, cos, sin, position_ids):
-    if ROPE_BACKEND == "fused" or (ROPE_BACKEND is None and q.is_cuda and HAS_TRITON):
-        return rope_fused(q, k, cos, sin, position_ids)
+    if ROPE_BACKEND == "fused" or (ROPE_BACKEND is None and q.is_cuda and kernels.HAS_TRITON):
+        return kernels.rope_fused(q, k, cos, sin, position_ids)
     return rope_reference(q, k, cos, sin, position_ids)
 
 
@@ -302,8 +204,6 @@ def attention_backend(device, dtype):
         else:
             name = "sdpa"
         _ATTN_BACKEND[device.type] = name
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"nanopack: attention backend on {device.type}: {name}")
     name = _ATTN_BACKEND[device.type]
     # the flash kernels take half precision only; a float32 run (e.g. a parity test) uses the exact fallback
     return name if dtype in (torch.float16, torch.bfloat16) else "sdpa"
@@ -387,70 +287,6 @@ class Attention(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# KV cache for generation
-
-
-class KVCache:
-    """Keys and values of a batch of sequences while generating: per layer a buffer (B, Hkv, capacity, D) whose
-    row b holds sequence b's keys at their positions (capacity: the longest sequence when generation ends).
-    A forward with a cache runs rows 0..B-1 in order; begin() is called once per forward, then attend() once by
-    each layer in turn, which writes the layer's new k, v at (row, position) and attends:
-      prefill (the first forward, each sequence from position 0): within the packed stream, as without a cache;
-      decode (each later forward, one new token per row): over the row's positions 0..position, all rows in
-      one SDPA call (on CUDA too: one query row per sequence needs no varlen kernel).
-    keep(rows) drops finished sequences, so later decode steps compute the unfinished ones only."""
-
-    def __init__(self, batch_size, capacity):
-        self.batch_size, self.capacity = batch_size, capacity
-        self.k, self.v = [], []  # per layer (B, Hkv, capacity, D), made at the first write, in k's dtype
-
-    def begin(self, position_ids, cu_seqlens, max_seqlen, sliding_window):
-        """Where this forward's tokens go and, in decode, which keys each one sees.
-        max_seqlen: the longest sequence, its cached tokens included."""
-        T, B = position_ids.shape[0], cu_seqlens.shape[0] - 1
-        assert B == self.batch_size, f"a forward with a cache of {self.batch_size} sequences got {B}"
-        self.layer = 0  # the next attend() is this layer's
-        self.decoding = T == B  # a prefill of length-1 prompts is also one token per row: the same arithmetic
-        self.rows = torch.repeat_interleave(torch.arange(B, device=position_ids.device), cu_seqlens.diff(),
-                                            output_size=T)  # (T,) each token's row
-        self.pos, self.length = position_ids, max_seqlen
-        if self.decoding:
-            key_pos = torch.arange(max_seqlen, device=position_ids.device)
-            sees = key_pos <= position_ids[:, None]  # (B, L) causal; unwritten slots lie past each position
-            if sliding_window is not None:
-                sees &= key_pos > position_ids[:, None] - sliding_window
-            self.mask = sees[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and query rows
-
-    # eager even inside a compiled block: in-place writes into buffers held by a Python object, and no
-    # layer index for the compiler to specialise each layer's code on
-    @torch.compiler.disable
-    def attend(self, q, k, v, cu_seqlens, max_seqlen, sliding_window):
-        """q: (T, Hq, D), k, v: (T, Hkv, D) of the current layer -> (T, Hq, D)."""
-        if self.layer == len(self.k):
-            shape = (self.batch_size, k.shape[1], self.capacity, k.shape[2])
-            self.k.append(k.new_zeros(shape))
-            self.v.append(v.new_zeros(shape))
-        k_buf, v_buf = self.k[self.layer], self.v[self.layer]
-        self.layer += 1
-        k_buf[self.rows, :, self.pos] = k  # (T, Hkv, D) scattered to (row, :, position)
-        v_buf[self.rows, :, self.pos] = v
-        if not self.decoding:
-            return varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window)
-        B, H, D = q.shape
-        k, v = k_buf[:, :, :self.length], v_buf[:, :, :self.length]  # (B, Hkv, L, D)
-        # GQA without repeating K/V: the query heads that share a K/V head become its query rows
-        q = q.view(B, k.shape[1], H // k.shape[1], D)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).reshape(B, H, D)
-
-    def keep(self, rows):
-        """Keep these rows (a list of row indices), in this order, as rows 0..len(rows)-1."""
-        for buffers in (self.k, self.v):
-            for layer, buf in enumerate(buffers):
-                buffers[layer] = buf[torch.tensor(rows, dtype=torch.long, device=buf.device)]
-        self.batch_size = len(rows)
-
-
-# -----------------------------------------------------------------------------
 # MLP and Block
 
 
@@ -486,7 +322,7 @@ class Transformer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.config = config
-        # Module names follow Hugging Face's Llama so checkpoints map one-to-one (see from_pretrained)
+        # Module names follow Hugging Face's Llama so checkpoints map one-to-one (see hf.py)
         self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.d_model)
         self.layers = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.norm = RMSNorm(config.d_model, config.norm_eps)
@@ -561,7 +397,7 @@ class Transformer(nn.Module):
                                    loss_weights (T,) weights each position's loss (e.g. 1/len per sequence)
           targets, logprobs=True:  (T,) float32 log p(targets[t]) per position, 0 where ignored (DPO)
           no targets:              logits (T, vocab_size), or only at the rows logits_at (generation)
-        cache (a KVCache; generation, no gradients): the first call is a prefill of whole prompts, each later
+        cache (generate.KVCache; no gradients): the first call is a prefill of whole prompts, each later
         call brings one new token per sequence at its position, max_seqlen counting the cached tokens too."""
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv, cache)
         if target_rows is not None:
@@ -574,117 +410,6 @@ class Transformer(nn.Module):
             return chunked_logprobs(h, w, targets, V)
         return chunked_cross_entropy(h, w, targets, V, loss_weights)
 
-    @classmethod
-    def from_pretrained(cls, path, dtype=None, device="cpu"):
-        """Load a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder. dtype None keeps the
-        checkpoint's dtype. Every problem with the folder is one ValueError or FileNotFoundError naming the file and what to do.
-        Built on the meta device, then each tensor is read from the memory-mapped files straight into its parameter:
-        peak memory is the model plus one tensor."""
-        config = read_hf_config(path)
-        files = SafetensorsFolder(path)
-        with torch.device("meta"):
-            model = cls(config)
-        model.to(dtype=dtype or files.dtype("model.embed_tokens.weight")).to_empty(device=device)
-        model.load_hf_weights(files)
-        return model
-
-    @torch.no_grad()
-    def load_hf_weights(self, files):
-        """Fill this model's parameters from a Hugging Face folder (a path or a SafetensorsFolder) after checking
-        every name and shape against config.json. A parameter may be an FSDP2 shard (a DTensor split along dim 0 in
-        torch.chunk pieces over the ranks): each rank then reads only its own rows, so no rank ever holds the
-        whole model (under FSDP2: build on meta, fully_shard, to_empty, then this)."""
-        files = files if isinstance(files, SafetensorsFolder) else SafetensorsFolder(files)
-        path, cfg = files.path, self.config
-        unused = {k for k in files.keys() if not k.endswith("rotary_emb.inv_freq")}  # old exports' RoPE buffers
-        tied_copy = cfg.tie_embeddings and files.has("lm_head.weight")  # some exports also write the tied head
-        if tied_copy:
-            unused.discard("lm_head.weight")  # checked against the embedding below
-        for name, p in self.named_parameters():
-            key = _hf_key(name)
-            if key not in unused:
-                hint = " (config.json says tie_word_embeddings=false)" if name == "lm_head.weight" else ""
-                raise ValueError(f"{path}: tensor {key!r} missing from the checkpoint{hint} — the weights and "
-                                 f"config.json do not match; re-download or re-export the model")
-            unused.discard(key)
-            vocab_rows = name in ("embed_tokens.weight", "lm_head.weight")
-            want = (cfg.vocab_size, *p.shape[1:]) if vocab_rows else tuple(p.shape)
-            if files.shape(key) != want:
-                raise ValueError(f"{path}: tensor {key!r} has shape {files.shape(key)}, config.json implies {want} "
-                                 f"— the weights and config.json come from different models")
-        if unused:  # weights the model would drop: a bias, a layer or a head this config has no place for
-            raise ValueError(f"{path}: {len(unused)} tensor(s) in the checkpoint are not used by this "
-                             f"{cfg.arch} config.json, e.g. {sorted(unused)[:3]} — the weights belong to "
-                             f"another architecture or config.json is wrong; re-export the model")
-        for name, p in self.named_parameters():
-            local = p.to_local() if hasattr(p, "to_local") else p
-            start = 0
-            if hasattr(p, "to_local"):  # Shard(0): rank r holds rows [r * ceil(n / W), ...), as torch.chunk splits
-                start = min(p.shape[0], p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()))
-            stop = start + local.shape[0]
-            if name in ("embed_tokens.weight", "lm_head.weight"):  # rows past vocab_size are our padding
-                stop = max(start, min(stop, cfg.vocab_size))
-            rows = files.read(_hf_key(name), start, stop)
-            if name == "embed_tokens.weight" and tied_copy and not torch.equal(rows, files.read("lm_head.weight", start, stop)):
-                raise ValueError(f"{path}: config.json says tie_word_embeddings=true, but the checkpoint's "
-                                 f"'lm_head.weight' differs from 'model.embed_tokens.weight' — set "
-                                 f"tie_word_embeddings to false if the model has its own head, or re-export it")
-            local[:len(rows)].copy_(rows)
-            local[len(rows):].zero_()  # the vocab padding rows past vocab_size
-
-    def save_pretrained(self, path, max_shard_bytes=5 * 2**30, write=True):
-        """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads.
-        Tensors stream into the files one at a time (the headers are written first, from the shapes), so the writer
-        holds one tensor, never a shard file's worth. An FSDP2-sharded model is streamed to the writer (global rank 0,
-        write=True) one tensor at a time, each rank sending its own rows: every rank calls this, no GPU ever holds a
-        whole tensor, and the writer's CPU holds one."""
-        V = self.config.vocab_size
-        state = self.state_dict()  # FSDP2: DTensors, each rank holding its own rows
-        shapes = {name: (V if name in ("embed_tokens.weight", "lm_head.weight") else t.shape[0], *t.shape[1:])
-                  for name, t in state.items()}  # without our vocab padding
-        sizes = {name: math.prod(shapes[name]) * t.element_size() for name, t in state.items()}
-        shards, size = [[]], 0
-        for name, nbytes in sizes.items():
-            if shards[-1] and size + nbytes > max_shard_bytes:
-                shards.append([])
-                size = 0
-            shards[-1].append(name)
-            size += nbytes
-        names = ["model.safetensors"] if len(shards) == 1 else [
-            f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-        if write:
-            os.makedirs(path, exist_ok=True)
-        for fname, shard in zip(names, shards):
-            f = open(os.path.join(path, fname), "wb") if write else None
-            if write:
-                _write_safetensors_header(f, [(_hf_key(n), shapes[n], state[n].dtype, sizes[n]) for n in shard])
-            for name in shard:
-                t = _gather_rows(state[name].detach(), write)
-                if write:
-                    f.write(t[:shapes[name][0]].contiguous().cpu().view(-1).view(torch.uint8).numpy())  # no copy
-            if write:
-                f.close()
-        if not write:
-            return
-        written = ["config.json"] + names
-        if len(shards) > 1:
-            weight_map = {_hf_key(name): fname for fname, shard in zip(names, shards) for name in shard}
-            with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
-            written.append("model.safetensors.index.json")
-        with open(os.path.join(path, "config.json"), "w") as f:
-            json.dump(config_to_hf(self.config, self.embed_tokens.weight.dtype), f, indent=2)
-        for fname in os.listdir(path):  # a previous export's index or shards would be loaded instead of these
-            stale = fname in ("model.safetensors", "model.safetensors.index.json") or (
-                fname.startswith("model-") and "-of-" in fname and fname.endswith(".safetensors"))
-            if stale and fname not in written:
-                os.remove(os.path.join(path, fname))
-        # save_file creates 0600 files and open() keeps an older file's mode: give every file the mode a
-        # new file gets (0666 less the umask), so others sharing the export can read it
-        umask = os.umask(0)
-        os.umask(umask)
-        for fname in written:
-            os.chmod(os.path.join(path, fname), 0o666 & ~umask)
 
     def flops_per_token(self, seq_lens, head_tokens=None, key_lens=None):
         """Training FLOPs (forward + backward) per real token of a packed batch with these sequence lengths.
@@ -705,371 +430,3 @@ class Transformer(nn.Module):
         return 6 * trunk + 6 * head * head_share + attn
 
 
-# -----------------------------------------------------------------------------
-# LM head + loss over chunks of tokens: peak memory O(chunk * vocab), never O(T * vocab)
-
-# Tokens per head chunk. A chunk holds two (chunk, vocab) float32 buffers (log-probs and their gradient):
-# 2048 x 128k x 4 bytes = 1 GiB each, while (2048, d) @ (d, 128k) is still a large, efficient matmul.
-LOSS_CHUNK = 2048
-
-
-def _compute_dtype(h):
-    return torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
-
-
-def _chunk_logprobs(h, w, targets, vocab_size):
-    """h: (C, d), w: (Vp, d) -> float32 log-softmax over the real vocab (C, V) and the targets' log-probs (C,)."""
-    logits = (h @ w.t()).float()[:, :vocab_size]
-    logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # in place: one (C, V) buffer, not two
-    return logp, logp.gather(1, targets[:, None]).squeeze(1)
-
-
-def _select(h, targets):
-    # positions without a target skip the head entirely (e.g. prompt tokens in SFT); nonzero syncs once
-    idx = (targets != -100).nonzero().squeeze(1)
-    return idx, h.index_select(0, idx), targets.index_select(0, idx)
-
-
-class ChunkedCrossEntropy(torch.autograd.Function):
-    """sum_t weight_t * CE(h_t @ W^T, target_t). The loss is a weighted sum with weights known up front,
-    so the gradients are computed chunk by chunk in the forward pass (3 matmuls per chunk, not 4) and
-    the backward only scales them: the (T, V) logits never exist, neither forward nor backward."""
-
-    @staticmethod
-    def forward(ctx, h, w, targets, vocab_size, weights, need_grad):
-        dtype = _compute_dtype(h)
-        with torch.autocast(h.device.type, enabled=False):
-            idx, hs, ts = _select(h, targets)
-            hs, wc = hs.to(dtype), w.to(dtype)
-            ws = None if weights is None else weights.index_select(0, idx).float()
-            loss = torch.zeros((), device=h.device, dtype=torch.float32)
-            if need_grad:
-                grad_hs = torch.empty_like(hs)
-                grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
-            for s in range(0, hs.shape[0], LOSS_CHUNK):
-                hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
-                logp, tgt = _chunk_logprobs(hc, wc, tc, vocab_size)
-                wt = None if ws is None else ws[s:s + LOSS_CHUNK]
-                loss -= tgt.sum() if wt is None else (tgt * wt).sum()
-                if not need_grad:
-                    continue
-                # d(-log p_t)/d logits = softmax - onehot(target)
-                g = logp.exp_()
-                g[torch.arange(len(tc), device=g.device), tc] -= 1.0
-                if wt is not None:
-                    g *= wt[:, None]
-                g = g.to(dtype)
-                grad_hs[s:s + LOSS_CHUNK] = g @ wc[:vocab_size]
-                grad_w[:vocab_size] += (g.t() @ hc).float()
-        if need_grad:
-            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
-            ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
-
-
-class ChunkedLogprobs(torch.autograd.Function):
-    """Per-token log p(target_t) for a loss not known in advance (DPO): the backward recomputes each
-    chunk's logits instead of keeping them (4 matmuls per chunk, memory O(chunk * vocab))."""
-
-    @staticmethod
-    def forward(ctx, h, w, targets, vocab_size):
-        dtype = _compute_dtype(h)
-        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            idx, hs, ts = _select(h, targets)
-            hs, wc = hs.to(dtype), w.to(dtype)
-            out = torch.zeros(h.shape[0], device=h.device, dtype=torch.float32)
-            for s in range(0, hs.shape[0], LOSS_CHUNK):
-                out[idx[s:s + LOSS_CHUNK]] = _chunk_logprobs(hs[s:s + LOSS_CHUNK], wc, ts[s:s + LOSS_CHUNK], vocab_size)[1]
-        ctx.save_for_backward(h, w, targets)
-        ctx.vocab_size, ctx.dtype = vocab_size, dtype
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        h, w, targets = ctx.saved_tensors
-        dtype, V = ctx.dtype, ctx.vocab_size
-        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            idx, hs, ts = _select(h, targets)
-            hs, wc, gs = hs.to(dtype), w.to(dtype), grad_out.index_select(0, idx).float()
-            grad_hs = torch.empty_like(hs)
-            grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
-            for s in range(0, hs.shape[0], LOSS_CHUNK):
-                hc, tc, gc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK], gs[s:s + LOSS_CHUNK]
-                logp, _ = _chunk_logprobs(hc, wc, tc, V)
-                # d log p_t / d logits = onehot(target) - softmax, scaled by the upstream gradient
-                g = logp.exp_().neg_()
-                g[torch.arange(len(tc), device=g.device), tc] += 1.0
-                g = (g * gc[:, None]).to(dtype)
-                grad_hs[s:s + LOSS_CHUNK] = g @ wc[:V]
-                grad_w[:V] += (g.t() @ hc).float()
-            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
-        return grad_h, grad_w.to(w.dtype), None, None
-
-
-def chunked_cross_entropy(h, w, targets, vocab_size, weights=None):
-    """h: (T, d), w: (Vp, d), targets: (T,) with -100 ignored -> (summed CE float32 scalar, n_targets tensor)."""
-    n = (targets != -100).sum()
-    # forward() runs with grad mode off, so whether gradients are wanted (not in evaluation) is decided here
-    need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
-    return ChunkedCrossEntropy.apply(h, w, targets, vocab_size, weights, need_grad), n
-
-
-def chunked_logprobs(h, w, targets, vocab_size):
-    """h: (T, d), w: (Vp, d), targets: (T,) -> (T,) float32 log p(target), 0 where the target is -100."""
-    return ChunkedLogprobs.apply(h, w, targets, vocab_size)
-
-
-# -----------------------------------------------------------------------------
-# Hugging Face checkpoints: config.json + model.safetensors (or shards + index)
-
-_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-            "mistral": "MistralForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
-
-
-def config_from_hf(hf, source="config.json"):
-    """Translate a Hugging Face config dict. A missing or mistyped key, or anything we would silently
-    compute differently, is a ValueError naming the file and the key."""
-    def unsupported(key, why):
-        raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported: {why}")
-
-    def get(key, kind=int, default=None, required=False, within=None):
-        """hf[key] (or hf[within][key]), checked: a string "2" or a bool would otherwise flow into
-        shapes and arithmetic. Numbers must be positive; an int is accepted where a float is expected."""
-        v = (hf if within is None else hf[within]).get(key)
-        name = key if within is None else f"{within}.{key}"
-        if v is None:
-            if required:
-                raise ValueError(f"{source}: required key {name!r} is missing — the file is incomplete; "
-                                 f"re-download the model or add the key")
-            return default
-        if kind is bool:
-            ok = isinstance(v, bool)
-        else:
-            ok = isinstance(v, (int, float) if kind is float else int) and not isinstance(v, bool) and v > 0
-        if not ok:
-            what = "true or false" if kind is bool else f"a positive {kind.__name__}"
-            raise ValueError(f"{source}: {name}={v!r} must be {what} — fix the value in the file")
-        return v
-
-    arch = hf.get("model_type")
-    if not isinstance(arch, str) or arch not in _HF_ARCH:
-        unsupported("model_type", f"nanopack loads {sorted(_HF_ARCH)}")
-    if hf.get("hidden_act", "silu") != "silu":
-        unsupported("hidden_act", "the MLP is SwiGLU (silu)")
-    if hf.get("mlp_bias"):
-        unsupported("mlp_bias", "the MLP has no biases")
-    if arch != "qwen2" and hf.get("attention_bias"):  # Llama, Qwen3, SmolLM3: on o_proj as well
-        unsupported("attention_bias", "only Qwen2-style q/k/v biases are implemented (no o_proj bias)")
-    # rope: newer transformers write rope_parameters (with rope_theta inside), older rope_theta + rope_scaling
-    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
-    rope = hf.get(rope_key) or {}
-    if not isinstance(rope, dict):
-        unsupported(rope_key, 'expected an object such as {"rope_type": "linear", "factor": 2.0}')
-    theta = get("rope_theta", float, within=rope_key) if rope else None
-    theta = theta or get("rope_theta", float, 10000.0)
-    kind = rope.get("rope_type", rope.get("type", "default"))
-    needs = {"default": (), "linear": ("factor",),  # the keys rope_inv_freq reads
-             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
-    if kind not in needs:
-        unsupported(rope_key, f"rope_type {kind!r} (supported: default, linear, llama3)")
-    for key in needs[kind]:
-        get(key, float, required=True, within=rope_key)
-    if rope.get("partial_rotary_factor", 1.0) != 1.0:
-        unsupported("partial_rotary_factor", "RoPE rotates the whole head")
-    scaling = None if kind == "default" else {**{k: v for k, v in rope.items() if k not in ("type", "rope_theta")},
-                                              "rope_type": kind}
-    max_len = get("max_position_embeddings", default=2048)
-    window = None
-    if arch == "mistral":
-        window = get("sliding_window")
-    elif hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
-        unsupported("use_sliding_window", "per-layer sliding windows (Qwen2/Qwen3 max_window_layers, SmolLM3 "
-                                          "NoPE layers) are not implemented")
-    if window is not None and window >= max_len:
-        window = None  # a window no sequence can exceed changes nothing
-    n_head, n_layer = get("num_attention_heads", required=True), get("num_hidden_layers", required=True)
-    nope = ()
-    if arch == "smollm3":  # no_rope_layers[i] is 1 where layer i uses RoPE, 0 where it skips it
-        interval = get("no_rope_layer_interval", default=4)  # what transformers derives the list from when absent
-        flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layer)]
-        if not isinstance(flags, list) or len(flags) < n_layer or any(f not in (0, 1) for f in flags):
-            unsupported("no_rope_layers", f"expected a list of {n_layer} (num_hidden_layers) 0s and 1s")
-        nope = tuple(i for i in range(n_layer) if flags[i] == 0)
-    try:
-        return ModelConfig(
-            vocab_size=get("vocab_size", required=True), n_layer=n_layer,
-            n_head=n_head, n_kv_head=get("num_key_value_heads", default=n_head),
-            d_model=get("hidden_size", required=True), ffn_hidden=get("intermediate_size", required=True),
-            head_dim=get("head_dim"), rope_theta=float(theta), rope_scaling=scaling, max_seq_len=max_len,
-            norm_eps=get("rms_norm_eps", float, 1e-5), qkv_bias=(arch == "qwen2"), qk_norm=(arch == "qwen3"),
-            nope_layers=nope, tie_embeddings=get("tie_word_embeddings", bool, False), sliding_window=window,
-            arch=arch)
-    except AssertionError as e:  # ModelConfig's own checks (head counts, even head_dim)
-        raise ValueError(f"{source}: {e} — the values do not describe a valid model") from None
-
-
-def config_to_hf(cfg, dtype):
-    hf = dict(architectures=[_HF_ARCH[cfg.arch]], model_type=cfg.arch, vocab_size=cfg.vocab_size,
-              hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.n_layer,
-              num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim,
-              hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
-              rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, tie_word_embeddings=cfg.tie_embeddings,
-              torch_dtype=str(dtype).removeprefix("torch."))
-    if cfg.arch in ("llama", "qwen3", "smollm3"):
-        hf.update(attention_bias=False, mlp_bias=False)
-    if cfg.arch == "mistral":
-        hf.update(sliding_window=cfg.sliding_window)
-    if cfg.arch in ("qwen2", "qwen3", "smollm3"):
-        hf.update(use_sliding_window=False, sliding_window=None)
-    if cfg.arch == "smollm3":
-        hf.update(no_rope_layers=[int(i not in cfg.nope_layers) for i in range(cfg.n_layer)])
-    return hf
-
-
-def _gather_rows(t, write):
-    """A full tensor on the writer's CPU from an FSDP2 DTensor (dim 0 in torch.chunk pieces over the mesh), rank by
-    rank: the writer (mesh rank 0) receives each other rank's rows into one shard-sized buffer on its device and copies
-    them to CPU; the others send theirs and get None. A plain tensor comes back as it is."""
-    if not hasattr(t, "to_local"):
-        return t
-    import torch.distributed as dist
-    local, mesh = t.to_local(), t.device_mesh
-    group, n, world_size = mesh.get_group(), t.shape[0], mesh.size()
-    chunk = -(-n // world_size)
-    if not write:
-        if local.shape[0]:
-            dist.send(local.contiguous(), dist.get_global_rank(group, 0), group=group)
-        return None
-    out = torch.empty(t.shape, dtype=t.dtype)
-    out[:local.shape[0]] = local
-    buf = torch.empty((min(chunk, n), *t.shape[1:]), dtype=t.dtype, device=local.device)
-    for r in range(1, world_size):
-        start = min(n, r * chunk)
-        rows = min(n, start + chunk) - start
-        if rows:
-            dist.recv(buf[:rows], dist.get_global_rank(group, r), group=group)
-            out[start:start + rows] = buf[:rows]
-    return out
-
-
-_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
-
-
-def _write_safetensors_header(f, entries):
-    """The safetensors layout: an 8-byte little-endian header length, a JSON header of name -> dtype, shape and
-    byte range (padded with spaces to a multiple of 8), then the tensors' bytes in that order, back to back.
-    entries: (name, shape, torch dtype, nbytes) in the order their bytes will follow."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0
-    for name, shape, dtype, nbytes in entries:
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    text = json.dumps(header, separators=(",", ":")).encode()
-    text += b" " * (-len(text) % 8)
-    f.write(len(text).to_bytes(8, "little") + text)
-
-
-def _hf_key(name):
-    return name if name.startswith("lm_head.") else "model." + name
-
-
-def read_hf_config(path):
-    """The ModelConfig of a Hugging Face model folder, from its config.json alone (no weights read)."""
-    cfg_path = os.path.join(path, "config.json")
-    if not os.path.exists(cfg_path):
-        raise FileNotFoundError(f"{cfg_path} not found: point to a Hugging Face model folder "
-                                f"(config.json + model.safetensors)")
-    return config_from_hf(_read_json_object(cfg_path), cfg_path)
-
-
-def _read_json_object(path):
-    """json.load that names the file: json's own errors give a line and column but no file."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            obj = json.load(f)
-    except ValueError as e:  # JSONDecodeError ("... line 3 column 5"), or bytes that are not UTF-8
-        raise ValueError(f"{path}: not valid JSON ({e}) — fix the file or re-download the model") from None
-    if not isinstance(obj, dict):
-        raise ValueError(f"{path}: holds a JSON {type(obj).__name__}, not an object — fix the file or "
-                         f"re-download the model")
-    return obj
-
-
-class SafetensorsFolder:
-    """The tensors of a model folder (model.safetensors, or shards listed by model.safetensors.index.json), memory-mapped:
-    names and shapes come from the headers, and read() copies only the rows asked for."""
-
-    def __init__(self, path):
-        from safetensors import SafetensorError, safe_open
-        self.path = path
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.exists(index):
-            weight_map = _read_json_object(index).get("weight_map")
-            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
-                raise ValueError(f"{index}: no \"weight_map\" object of tensor name -> shard file — re-download "
-                                 f"or re-export the model")
-            names = sorted(set(weight_map.values()))
-        elif os.path.exists(os.path.join(path, "model.safetensors")):
-            names = ["model.safetensors"]
-        else:
-            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; point to a "
-                                    f"Hugging Face model folder (pytorch_model.bin is not read: unsafe pickle)")
-        self.files = {}  # tensor name -> the open file that holds it
-        for name in names:
-            file = os.path.join(path, name)
-            if not os.path.exists(file):
-                raise FileNotFoundError(f"{file} not found, but {index} lists it — the download is incomplete; "
-                                        f"re-download the model")
-            try:
-                handle = safe_open(file, framework="pt")
-            except SafetensorError as e:  # e.g. "incomplete metadata, file not fully covered": names no file
-                raise ValueError(f"{file}: incomplete or corrupt safetensors file ({e}) — re-download or "
-                                 f"re-export the model") from None
-            self.files.update({key: handle for key in handle.keys()})
-
-    def keys(self):
-        return self.files.keys()
-
-    def has(self, key):
-        return key in self.files
-
-    def shape(self, key):
-        return tuple(self.files[key].get_slice(key).get_shape())
-
-    def dtype(self, key):
-        return self.read(key, 0, 1).dtype
-
-    def read(self, key, start=0, stop=None):
-        """Rows start:stop of a tensor (all of a 1-D one's elements in that range), as a new CPU tensor."""
-        return self.files[key].get_slice(key)[start:stop]
-
-
-# -----------------------------------------------------------------------------
-# Smoke run: python model.py trains the toy preset for a few steps on a packed stream and shows the loss fall
-
-if __name__ == "__main__":
-    torch.manual_seed(0)
-    cfg = config_from_preset("toy")
-    model = Transformer(cfg)
-    print(f"toy model: {model.num_params() / 1e6:.2f}M parameters")
-    # sequences of varied length counting up from a random start: learnable, and positions matter
-    lens = [37, 120, 64, 9, 200, 81]
-    seqs = [(torch.arange(n) + torch.randint(0, 300, ())) % cfg.vocab_size for n in lens]
-    input_ids = torch.cat(seqs)
-    position_ids = torch.cat([torch.arange(n) for n in lens])
-    cu_seqlens = F.pad(torch.tensor(lens).cumsum(0), (1, 0)).to(torch.int32)
-    targets = F.pad(input_ids[1:], (0, 1), value=-100)  # position t predicts token t+1 of its own sequence
-    targets[cu_seqlens[1:].long() - 1] = -100
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    for step in range(31):
-        loss_sum, n = model(input_ids, position_ids, cu_seqlens, max(lens), targets=targets)
-        loss = loss_sum / n
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % 10 == 0:
-            print(f"step {step}: loss {loss.item():.4f} over {int(n)} target tokens in {len(lens)} packed sequences")

@@ -30,7 +30,6 @@ import numpy as np
 import torch
 
 IGNORE_INDEX = -100  # target value that contributes no loss (Hugging Face convention)
-PAD_SEGMENT = 128  # a padding tail is cut into segments this long: never past max_seq_len, attention O(128 * n_pad)
 
 
 def pack(lengths, token_budget):
@@ -93,28 +92,24 @@ def shared_prefixes(data):
 
 @dataclass
 class PackedBatch:
-    """One packed micro-batch: N whole sequences back to back, then optionally a padding tail.
-    The padding tail (when pad_to asks for one) is a run of dummy segments of at most PAD_SEGMENT tokens
-    (their own cu_seqlens entries, position ids 0.. each, so attention over them costs O(PAD_SEGMENT) per
-    token and no position passes the model's range), with no targets.
-    Targets come in one of two forms: SFT, one per position (target_rows None, targets and seq_ids (T,),
-    the padding tail's seq_id N); DPO, one triple per trained token (target_rows, targets, seq_ids (K,)).
-    Either way sequence_sums() adds per-target values up per sequence."""
+    """One packed micro-batch: N whole sequences back to back (a filler, N = 0, is one dummy token).
+    Targets come in one of two forms: SFT, one per position (target_rows None, targets and seq_ids (T,));
+    DPO, one triple per trained token (target_rows, targets, seq_ids (K,)). Either way sequence_sums() adds
+    per-target values up per sequence."""
     input_ids: torch.Tensor        # (T,) long
     targets: torch.Tensor          # (T,) the next token where it is trained, else IGNORE_INDEX; DPO (K,) tokens
     target_rows: object            # None, or DPO (K,) long: the hidden row that predicts targets[i]
-    seq_ids: torch.Tensor          # (T,) sequence 0..N-1 of each position (tail: N); DPO (K,) of each target
+    seq_ids: torch.Tensor          # (T,) sequence 0..N-1 of each position (a filler's token: N); DPO (K,)
     position_ids: torch.Tensor     # (T,) long, restarting at 0 for every sequence (P.. for a shared rejected rest)
-    cu_seqlens: torch.Tensor       # (S+1,) int32 query segments (one per sequence, then the padding segments)
+    cu_seqlens: torch.Tensor       # (N+1,) int32 query segments, one per sequence
     max_seqlen: int                # longest query segment (the kernel sees it)
     kv: object                     # None: keys = queries; prefix sharing: (kv_index (Tk,), cu_seqlens_k, max_seqlen_k)
-    example_indices: torch.Tensor  # (N,) long, index of each sequence in the data
-    pair_indices: torch.Tensor     # (P,) long, DPO: seqs 2j, 2j+1 = chosen, rejected of pair j
-    num_sequences: int             # N, real sequences (0 for a filler micro-batch)
-    num_pairs: int                 # P = N // 2 for DPO, 0 for SFT
-    num_tokens: int                # real tokens computed (T - num_padding; a shared prompt counts once)
+    units: torch.Tensor            # (U,) long, the data's units in this batch: examples (SFT) or pairs (DPO)
+    num_sequences: int             # N, real sequences (0 for a filler micro-batch); DPO: seqs 2j, 2j+1 = pair j
+    num_pairs: int                 # DPO: U, 0 for SFT
+    num_tokens: int                # real tokens computed (a shared prompt counts once)
     num_target_tokens: int         # trained tokens (rows the LM head scores)
-    num_padding: int               # positions in the padding tail
+    num_padding: int               # 1 for a filler's dummy token, else 0
 
     def to(self, device, non_blocking=True):
         move = lambda t: t.to(device, non_blocking=non_blocking)
@@ -135,7 +130,7 @@ class PackedBatch:
 
     def sequence_sums(self, values):
         """values per target (aligned with seq_ids) -> (N,) per-sequence sums: one index_add_, no host sync."""
-        sums = values.new_zeros(self.num_sequences + 1)  # + 1: the padding tail's slot
+        sums = values.new_zeros(self.num_sequences + 1)  # + 1: a filler's slot
         return sums.index_add_(0, self.seq_ids, values)[:self.num_sequences]
 
     def pair_sums(self, values):
@@ -144,17 +139,16 @@ class PackedBatch:
         return sums[:, 0], sums[:, 1]
 
 
-def make_batch(data, indices, pad_to=None, dpo=False, prefix=None):
-    """Concatenate examples `indices` (pair indices if dpo) into one PackedBatch; pad_to pads T to that
-    fixed length with dummy tail segments (static shapes for torch.compile). prefix (DPO): shared_prefixes()
+def make_batch(data, units, dpo=False, prefix=None):
+    """Concatenate the data's units (examples; DPO: pairs) into one PackedBatch. prefix (DPO): shared_prefixes()
     of the data, so that each pair's shared prompt is computed once; None lays the two sequences out whole."""
     ids, offsets, loss_mask = data["ids"], data["offsets"], data["loss_mask"]
-    pair_indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+    units = np.asarray(units, dtype=np.int64).reshape(-1)
     # DPO: chosen and rejected adjacent, so sequence 2j / 2j+1 of the batch are pair j's.
-    examples = np.stack([2 * pair_indices, 2 * pair_indices + 1], 1).reshape(-1) if dpo else pair_indices
+    examples = np.stack([2 * units, 2 * units + 1], 1).reshape(-1) if dpo else units
     skip = np.zeros(len(examples), dtype=np.int64)  # leading tokens a sequence takes from the one before it
     if dpo and prefix is not None:
-        skip[1::2] = prefix[pair_indices]
+        skip[1::2] = prefix[units]
     # Per sequence: its tokens, mask, and `rows`, where each of its positions sits in the stream. A shared
     # rejected sequence appends only its rest; its rows start with the chosen sequence's prompt rows.
     stream, positions, q_lens, rows, tokens, masks, T = [], [], [], [], [], [], 0
@@ -168,18 +162,10 @@ def make_batch(data, indices, pad_to=None, dpo=False, prefix=None):
         tokens.append(x)
         masks.append(m)
         T += len(x) - p
-    n_seq, n_tok = len(examples), T
-    if pad_to is not None and n_tok > pad_to:
-        raise ValueError(f"make_batch: {n_tok} tokens do not fit pad_to={pad_to}")
-    n_pad = 0 if pad_to is None else pad_to - n_tok
-    if n_seq == 0 and n_pad == 0:
-        n_pad = 1  # a zero-length micro-batch would trip the attention kernels; one dummy token
-    if n_pad:  # the tail is segments of its own, so attention never mixes it with real tokens
-        tail = [min(PAD_SEGMENT, n_pad - s) for s in range(0, n_pad, PAD_SEGMENT)]
-        stream += [np.zeros(n, np.int64) for n in tail]
-        positions += [np.arange(n) for n in tail]
-        q_lens += tail
-    cat = lambda arrays, dtype=np.int64: np.concatenate(arrays).astype(dtype) if arrays else np.zeros(0, dtype)
+    n_seq, n_tok, n_pad = len(examples), T, int(len(examples) == 0)
+    if n_pad:  # a filler: a zero-length micro-batch would trip the attention kernels, so one dummy token
+        stream, positions, q_lens = [np.zeros(1, np.int64)], [np.zeros(1, np.int64)], [1]
+    cat = lambda arrays: np.concatenate(arrays).astype(np.int64) if arrays else np.zeros(0, np.int64)
     # Position j of a sequence predicts its token j+1 where that one is trained: its first token is never a
     # target, so no loss ever reaches across a packed boundary, whatever the mask says.
     trained = [np.flatnonzero(m[1:]) for m in masks]
@@ -192,23 +178,18 @@ def make_batch(data, indices, pad_to=None, dpo=False, prefix=None):
         targets_per_row = np.full(n_tok + n_pad, IGNORE_INDEX, dtype=np.int64)
         targets_per_row[target_rows] = targets
         targets, target_rows = targets_per_row, None
-        seq_ids = np.repeat(np.arange(n_seq + 1), q_lens[:n_seq] + [n_pad])
-    cu = np.concatenate([[0], np.cumsum(q_lens)])
+        seq_ids = np.repeat(np.arange(n_seq + n_pad), q_lens)
     kv = None
-    if skip.any():  # keys: every sequence's own rows in full (the tail's after them), aligned at the bottom right
-        k_lens = [len(r) for r in rows] + q_lens[n_seq:]
-        kv_index = cat(rows + [np.arange(n_tok, n_tok + n_pad)])
-        kv = (torch.from_numpy(kv_index), torch.from_numpy(np.concatenate([[0], np.cumsum(k_lens)]).astype(np.int32)),
-              max(k_lens))
+    if skip.any():  # keys: every sequence's own rows in full, aligned at the bottom right
+        k_lens = [len(r) for r in rows]
+        kv = (torch.from_numpy(cat(rows)), torch.from_numpy(np.cumsum([0] + k_lens).astype(np.int32)), max(k_lens))
     as_long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
     return PackedBatch(
         input_ids=as_long(cat(stream)), targets=as_long(targets),
         target_rows=None if target_rows is None else as_long(target_rows), seq_ids=as_long(seq_ids),
-        position_ids=as_long(cat(positions)), cu_seqlens=torch.from_numpy(cu.astype(np.int32)),
-        max_seqlen=max(q_lens), kv=kv, example_indices=as_long(examples),
-        pair_indices=as_long(pair_indices if dpo else np.zeros(0)), num_sequences=n_seq,
-        num_pairs=len(pair_indices) if dpo else 0, num_tokens=n_tok,
-        num_target_tokens=len(target_seq), num_padding=n_pad)
+        position_ids=as_long(cat(positions)), cu_seqlens=torch.from_numpy(np.cumsum([0] + q_lens).astype(np.int32)),
+        max_seqlen=max(q_lens), kv=kv, units=as_long(units), num_sequences=n_seq,
+        num_pairs=len(units) if dpo else 0, num_tokens=n_tok, num_target_tokens=len(target_seq), num_padding=n_pad)
 
 
 @dataclass
@@ -218,9 +199,7 @@ class Step:
     microbatches: list        # this rank's PackedBatch list; the same length on every rank
     num_examples: int         # sequences in the step (DPO: 2 * num_pairs)
     num_pairs: int            # DPO pairs in the step (0 for SFT)
-    num_tokens: int           # real tokens in the step
     num_target_tokens: int    # tokens with a label in the step
-    rank_tokens: list         # real tokens given to each rank
     epoch: int
     step: int                 # index of this step within its epoch
     state: dict               # loader state that resumes right after this step
@@ -232,9 +211,9 @@ class PackedLoader:
     Step k of epoch e holds the units (examples; DPO: pairs) perm[k*B:(k+1)*B] of a permutation
     seeded by (seed, e): the data of a step depends only on seed, epoch and batch_size, never on
     world_size or microbatch_tokens, so 1 GPU and 8 GPUs train on the same data and a run can
-    resume on a different number of GPUs. The last partial step of an epoch is a smaller step
-    (dropped only with drop_last). Each rank takes a near-equal share of the step's tokens and
-    packs it with best-fit-decreasing into micro-batches of <= microbatch_tokens.
+    resume on a different number of GPUs. The last partial step of an epoch is a smaller step.
+    Each rank takes a near-equal share of the step's tokens and packs it with best-fit-decreasing
+    into micro-batches of <= microbatch_tokens.
 
     Every rank gets the same number of micro-batches: ranks with fewer (or no examples, when
     batch_size < world_size) get filler micro-batches with no real tokens and all targets -100,
@@ -251,13 +230,11 @@ class PackedLoader:
     """
 
     def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0,
-                 dpo=False, pad_to=None, drop_last=False, prefix_sharing=False):
+                 dpo=False, prefix_sharing=False):
         assert 0 <= rank < world_size and batch_size >= 1
-        if pad_to is not None and pad_to < microbatch_tokens:
-            raise ValueError(f"pad_to={pad_to} is shorter than microbatch_tokens={microbatch_tokens}")
         self.data, self.batch_size, self.microbatch_tokens = data, batch_size, microbatch_tokens
         self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.dpo, self.pad_to, self.drop_last = dpo, pad_to, drop_last
+        self.dpo = dpo
         offsets = np.asarray(data["offsets"], dtype=np.int64)
         seqlens = np.diff(offsets)  # (N,)
         if (seqlens <= 0).any():
@@ -282,9 +259,7 @@ class PackedLoader:
                 f"{microbatch_tokens} ({too_long.size} such); raise microbatch_tokens to at least "
                 f"{int(self.lengths.max())} or re-prepare the data with a smaller max length")
         n = len(self.lengths)
-        self.steps_per_epoch = n // batch_size if drop_last else -(-n // batch_size)
-        if self.steps_per_epoch == 0:
-            raise ValueError(f"{n} examples make no full step of batch_size={batch_size}")
+        self.steps_per_epoch = -(-n // batch_size)
         self.epoch, self.step = 0, 0
         self._perm_epoch, self._perm = None, None
 
@@ -324,21 +299,19 @@ class PackedLoader:
                 if share else [] for share in shares]
         n_micro = max(len(b) for b in bins)
         own = bins[self.rank] + [[]] * (n_micro - len(bins[self.rank]))  # [] = filler
-        micro = [make_batch(self.data, b, self.pad_to, self.dpo, self.prefix) for b in own]
+        micro = [make_batch(self.data, b, self.dpo, self.prefix) for b in own]
         self.step += 1
         return Step(microbatches=micro, num_examples=len(units) * (2 if self.dpo else 1),
-                    num_pairs=len(units) if self.dpo else 0, num_tokens=int(self.lengths[units].sum()),
-                    num_target_tokens=int(self.targets[units].sum()),
-                    rank_tokens=[int(self.lengths[sh].sum()) for sh in shares],
+                    num_pairs=len(units) if self.dpo else 0, num_target_tokens=int(self.targets[units].sum()),
                     epoch=epoch, step=step, state=self.state_dict())
 
     def state_dict(self):
         return dict(epoch=self.epoch, step=self.step, seed=self.seed, batch_size=self.batch_size,
-                    num_units=len(self.lengths), dpo=self.dpo, drop_last=self.drop_last)
+                    num_units=len(self.lengths), dpo=self.dpo)
 
     def load_state_dict(self, state):
         # world_size and microbatch_tokens may change on resume; what fixes the order may not.
-        for key in ("seed", "batch_size", "num_units", "dpo", "drop_last"):
+        for key in ("seed", "batch_size", "num_units", "dpo"):
             if state[key] != self.state_dict()[key]:
                 raise ValueError(f"loader state has {key}={state[key]} but this loader has "
                                  f"{self.state_dict()[key]}; resume with the same data and {key}")

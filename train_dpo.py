@@ -2,7 +2,7 @@
 Padding-free DPO, read top to bottom like train_sft.py: config, setup, reference log-probs, loop, log, save.
 
     python train_sft.py && python train_dpo.py                  # built-in: SFT the toy model, then DPO it (CPU ok)
-    python train_dpo.py config/dpo_qwen2.5_0.5b.py --data=prefs.jsonl     # after train_sft.py config/sft_qwen2.5_0.5b.py
+    python train_dpo.py config/dpo_qwen2.5_0.5b.py --data=prefs.jsonl   # after train_sft.py config/sft_qwen2.5_0.5b.py
     torchrun --nproc_per_node=8 train_dpo.py config/dpo_llama3.1_8b_fsdp.py --data=prefs.jsonl
 
 Every optimizer step takes `batch_size` preference pairs (global, whatever the world size). A pair's chosen and
@@ -18,10 +18,12 @@ import torch
 
 import common
 import dpo
-from common import print0
-from configurator import configure
 import data.arithmetic as builtin_task
+from checkpoint import export_hf, save_checkpoint
+from configurator import configure
+from metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import shared_prefixes
+from parallel import print0, sync_gradients, teardown_distributed
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
@@ -51,27 +53,27 @@ prefix_sharing = True  # a pair's shared prompt is computed once (prompt | chose
 # the run's machinery, as in train_sft.py (see there what each key does)
 seed, device, dtype, compile, activation_checkpointing, parallel = 1337, "auto", "auto", "auto", False, "ddp"
 log_interval, eval_examples, val_fraction = 10, 200, 0.01
-eval_interval = 16  # evaluate (val loss, reward accuracy; built-in task: accuracy, preferred style) and checkpoint; 0 = at the end only
+eval_interval = 16  # evaluate (val loss, reward accuracy; built-in: accuracy, style) and checkpoint; 0 = at the end
 max_bad_steps, overwrite, dist_timeout = 3, False, 300
 wandb_log, wandb_project, wandb_run_name = False, "nanopack", "dpo"
 # Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
 # the Zephyr and Tulu DPO recipes train 7-8B models with lr 5e-7 and beta 0.1; the toy values above (lr 2e-4,
 # beta 2) drive a real model to loss 0 and silence within a few steps
-config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0))
+config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0), kind="dpo",
+                   choices=dict(loss_type=dpo.LOSS_TYPES, reference=("cached", "live")))
 # -----------------------------------------------------------------------------
 
-run = common.setup(config, "dpo", builtin_sizes=dict(n_train=2048, n_val=200),  # built-in: 64 steps of 32 pairs
-                   choices=dict(loss_type=dpo.LOSS_TYPES, reference=("cached", "live")))
+run = common.setup(config, "dpo", builtin_sizes=dict(n_train=2048, n_val=200))  # built-in: 64 steps of 32 pairs
 model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.optimizer, run.loader, run.device
-iter_num, max_iters, world_size = run.iter_num, run.max_iters, run.world_size
+iter_num, max_iters, world_size = run.start_iter, run.max_iters, run.world_size
 reference_mode = reference if loss_type != "simpo" else "none"
 print0(f"DPO: {loss_type} loss, beta {beta}, reference {reference_mode}")
 if loader.prefix is not None:  # what computing each shared prompt once saves, over the train split
     print0(f"prefix sharing: {(loader.prefix > 0).sum():,} of {len(loader.prefix):,} pairs share a prefix (mean "
            f"{loader.prefix.mean():.1f} tokens): {int(run.train_data['offsets'][-1]):,} -> {loader.lengths.sum():,} "
            f"tokens per epoch")
-logger = common.MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
-                              resume_iter=iter_num if init_from == "resume" else None)
+logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
+                       resume_iter=iter_num if init_from == "resume" else None)
 
 # ---- reference log-probs: computed once from the initial weights (or a live frozen copy of them)
 t_ref = time.perf_counter()
@@ -86,12 +88,12 @@ chosen_targets = lengths_train[:, 0].cpu().numpy()  # step normaliser for sft_we
 def microbatch_loss(mb, num_pairs, num_chosen_targets):
     """This micro-batch's share of the step loss: its pairs' summed losses / the step's global number of pairs
     (+ sft_weight * its chosen responses' NLL / the step's global chosen target tokens). Times world_size because
-    DDP and FSDP average gradients over ranks, and we want their sum. Returns (loss, pair_stats)."""
+    DDP and FSDP average gradients over ranks, and we want their sum. Returns (loss, pair_stats: dict)."""
     with run.autocast:
         logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
     pc, pr = mb.pair_sums(logps)  # (P,) each: one index_add_ over sequence ids
     rc, rr = ref(mb)
-    lens = lengths_train[mb.pair_indices]
+    lens = lengths_train[mb.units]
     losses, rewards_c, rewards_r = dpo.dpo_loss(pc, pr, rc, rr, lens[:, 0], lens[:, 1], loss_type, beta,
                                                 label_smoothing, gamma)
     loss = losses.sum() / num_pairs
@@ -131,10 +133,11 @@ def evaluate():
 # ---- the loop
 results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
 before = run.saved.get("before", {k: v for k, v in results.items() if k in ("val_accuracy", "val_preferred")})
-timer = common.Timer(device)
+timer = Timer(device)
 # tokens, padding, FLOPs since the last log line; a live reference adds a forward pass (1/3 of fwd+bwd)
-meter = common.Throughput(raw_model, device, world_size, flops_factor=4 / 3 if reference_mode == "live" else 1.0)
-stats_acc = torch.zeros(6, device=device, dtype=torch.float64)  # pair_stats summed since the last log line
+meter = Throughput(raw_model, device, world_size, flops_factor=4 / 3 if reference_mode == "live" else 1.0)
+zeros = lambda: {k: torch.zeros((), device=device, dtype=torch.float64) for k in dpo.STATS}
+stats_acc = zeros()  # pair_stats summed since the last log line
 pairs_window = chosen_targets_window = 0
 eval_seconds = train_seconds = 0.0  # evaluation inside a log window is not training time
 start_iter, last_log_iter, t_start = iter_num, iter_num, time.perf_counter()
@@ -145,16 +148,19 @@ while iter_num < max_iters:
     num_chosen_targets = int(chosen_targets[loader.step_units(step.epoch, step.step)].sum())  # global, like num_pairs
     mbs = [mb.to(device) for mb in step.microbatches]
     meter.count(step.microbatches, data_time=time.perf_counter() - t0)
-    step_stats = torch.zeros(6, device=device, dtype=torch.float64)
+    step_stats, step_loss = zeros(), torch.zeros((), device=device, dtype=torch.float64)
     for i, mb in enumerate(mbs):
-        with common.no_grad_sync(model, parallel, last_microbatch=i == len(mbs) - 1):
+        with sync_gradients(model, enabled=i == len(mbs) - 1):
             loss, stats = microbatch_loss(mb, step.num_pairs, num_chosen_targets)
             loss.backward()
-        step_stats += stats
-    grad_norm, updated, stopping = run.optimizer_step(step_stats[[0, 4, 5]].sum(), grad_clip)
-    iter_num = run.iter_num
+        step_loss += loss.detach()
+        for k in dpo.STATS:
+            step_stats[k] += stats[k]
+    grad_norm, updated, stopping = run.optimizer_step(step_loss, grad_clip, iter_num + 1)
+    iter_num += 1
     if updated:  # a skipped step's statistics are NaN or infinite: counted in skipped_steps, not averaged in
-        stats_acc += step_stats
+        for k in dpo.STATS:
+            stats_acc[k] += step_stats[k]
         pairs_window += step.num_pairs
         chosen_targets_window += num_chosen_targets
 
@@ -163,32 +169,32 @@ while iter_num < max_iters:
         elapsed = timer.lap() - eval_seconds
         eval_seconds, train_seconds = 0.0, train_seconds + elapsed
         n_steps, last_log_iter = iter_num - last_log_iter, iter_num
-        perf, sums = meter.read(elapsed, n_steps, stats_acc.tolist())  # the windows' counts are global already
-        loss_sum, rewards_c, rewards_r, n_right, logps_c, logps_r = (s / max(pairs_window, 1) for s in sums)
-        nll = -sums[4] / max(chosen_targets_window, 1)  # the chosen responses' NLL per target token
+        perf, sums = meter.read(elapsed, n_steps, [stats_acc[k].item() for k in dpo.STATS])  # global already
+        total = dict(zip(dpo.STATS, sums))
+        avg = {k: v / max(pairs_window, 1) for k, v in total.items()}  # means over the window's pairs
+        nll = -total["logps_chosen"] / max(chosen_targets_window, 1)  # the chosen responses' NLL per target token
         eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
-        metrics = dict(
-            iter=iter_num, loss=loss_sum + sft_weight * nll if pairs_window else float("nan"),
-            rewards_chosen=rewards_c, rewards_rejected=rewards_r, reward_margin=rewards_c - rewards_r,
-            reward_accuracy=n_right, logps_chosen=logps_c, logps_rejected=logps_r, lr=lr, grad_norm=grad_norm,
-            skipped_steps=run.skipped_steps, **perf, ref_cache_seconds=ref_cache_seconds)
+        metrics = dict(iter=iter_num, **avg, reward_margin=avg["rewards_chosen"] - avg["rewards_rejected"], lr=lr,
+                       grad_norm=grad_norm, skipped_steps=run.skipped_steps, **perf,
+                       ref_cache_seconds=ref_cache_seconds)
+        metrics["loss"] = avg["loss"] + sft_weight * nll if pairs_window else float("nan")
         if sft_weight:
             metrics["nll_chosen"] = nll
-        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | reward acc {100 * n_right:.1f}% | "
-               f"margin {metrics['reward_margin']:.3f} | lr {lr:.2e} | grad norm {grad_norm:.2f} | "
-               f"{meter.line(metrics)} | eta {common.format_eta(eta)}")
+        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | reward acc "
+               f"{100 * avg['reward_accuracy']:.1f}% | margin {metrics['reward_margin']:.3f} | lr {lr:.2e} | "
+               f"grad norm {grad_norm:.2f} | {meter.line(metrics)} | eta {format_eta(eta)}")
         logger.log(metrics)
-        stats_acc.zero_()
+        stats_acc = zeros()
         pairs_window = chosen_targets_window = 0
     saved = dict(ref_key=ref_key, before=before)
     if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
-        common.save_checkpoint(run, step.state, config, extra=saved)
+        save_checkpoint(run, iter_num, step.state, config, extra=saved)
         logger.finish()
-        run.stopped(out_dir)
+        run.exit_stopped(iter_num)
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         results = evaluate()
-        common.save_checkpoint(run, step.state, config, extra=saved, evaluation=results)
+        save_checkpoint(run, iter_num, step.state, config, extra=saved, evaluation=results)
         eval_seconds += time.perf_counter() - t_eval
 
 print0(f"time: reference log-probs {ref_cache_seconds:.1f}s, training {train_seconds:.1f}s")
@@ -197,4 +203,5 @@ if before and "val_accuracy" in results:
            f"{100 * results['val_preferred']:.1f}% | exact-match accuracy {100 * before['val_accuracy']:.1f}% -> "
            f"{100 * results['val_accuracy']:.1f}% (before DPO -> after)")
 logger.finish()
-common.finish(run, out_dir)
+export_hf(run)
+teardown_distributed()

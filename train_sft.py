@@ -16,10 +16,12 @@ import numpy as np
 import torch
 
 import common
-from common import print0
-from configurator import configure
 import data.arithmetic as builtin_task
+from checkpoint import export_hf, save_checkpoint
+from configurator import configure
+from metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import make_batch, pack
+from parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
@@ -47,7 +49,7 @@ compile = "auto"  # True, False, or 'auto': on with CUDA, off on CPU (slower the
 activation_checkpointing = False
 parallel = "ddp"  # 'ddp' or 'fsdp' (used when launched with torchrun on more than one process)
 log_interval = 10
-eval_interval = 275  # evaluate (val loss; built-in task: exact-match accuracy, preferred style) and checkpoint; 0 = at the end only
+eval_interval = 275  # evaluate (val loss; built-in: exact-match accuracy, style) and checkpoint; 0 = at the end
 eval_examples = 200  # built-in task: held-out prompts answered greedily for accuracy
 val_fraction = 0.01  # JSONL only: the share of lines held out for val loss
 max_bad_steps = 3  # a step with a non-finite loss or gradient norm is skipped; this many in a row stop the run
@@ -59,14 +61,14 @@ wandb_run_name = "sft"
 # Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
 # published SFT recipes for 0.1-8B models use AdamW with ~1e-5-2e-5 and cosine decay (Tulu 3, Zephyr, SmolLM2)
 config = configure(globals(), finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20, weight_decay=0.0,
-                                            max_iters=0, epochs=2.0))
+                                            max_iters=0, epochs=2.0), kind="sft")
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "sft")
 model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.optimizer, run.loader, run.device
-iter_num, max_iters, world_size = run.iter_num, run.max_iters, run.world_size
-logger = common.MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
-                              resume_iter=iter_num if init_from == "resume" else None)
+iter_num, max_iters, world_size = run.start_iter, run.max_iters, run.world_size
+logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
+                       resume_iter=iter_num if init_from == "resume" else None)
 
 
 def microbatch_loss(mb, normaliser):
@@ -75,7 +77,7 @@ def microbatch_loss(mb, normaliser):
     weights = None
     if loss_weighting == "sequence":  # each example counts once: its target tokens share weight 1
         per_seq = mb.sequence_sums((mb.targets != -100).float()).clamp(min=1.0)
-        weights = 1.0 / torch.cat([per_seq, per_seq.new_ones(1)])[mb.seq_ids]  # + 1: the padding tail's slot
+        weights = 1.0 / torch.cat([per_seq, per_seq.new_ones(1)])[mb.seq_ids]  # + 1: a filler's slot
     with run.autocast:
         loss_sum, _ = model(**mb.inputs(), loss_weights=weights)
     return loss_sum, loss_sum * world_size / normaliser
@@ -98,7 +100,7 @@ def evaluate():
         with run.autocast:
             loss_sum += model(**mb.inputs())[0]
     if bins:  # an empty val split has no loss (setup said so), rather than a loss of 0
-        total_loss, total_targets = common.all_reduce_sum([loss_sum.item(), n_targets], device)
+        total_loss, total_targets = all_reduce_sum([loss_sum.item(), n_targets], device)
         out["val_loss"] = total_loss / max(total_targets, 1)
     if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the plain style
         out.update(builtin_task.evaluate(raw_model, run.tok, eval_examples, run.autocast,
@@ -114,8 +116,8 @@ def evaluate():
 
 
 # ---- the loop
-timer = common.Timer(device)
-meter = common.Throughput(raw_model, device, world_size)  # tokens, padding, FLOPs since the last log line
+timer = Timer(device)
+meter = Throughput(raw_model, device, world_size)  # tokens, padding, FLOPs since the last log line
 loss_acc = torch.zeros((), device=device, dtype=torch.float64)  # summed (weighted) token loss since the last log line
 normaliser_window = 0  # what loss_acc is divided by: target tokens, or examples with loss_weighting='sequence'
 eval_seconds = 0.0  # evaluation inside a log window is not training time
@@ -129,12 +131,12 @@ while iter_num < max_iters:
     meter.count(step.microbatches, data_time=time.perf_counter() - t0)
     step_loss = torch.zeros((), device=device, dtype=torch.float64)
     for i, mb in enumerate(mbs):
-        with common.no_grad_sync(model, parallel, last_microbatch=i == len(mbs) - 1):
+        with sync_gradients(model, enabled=i == len(mbs) - 1):
             loss_sum, loss = microbatch_loss(mb, normaliser)
             loss.backward()
         step_loss += loss_sum.detach()
-    grad_norm, updated, stopping = run.optimizer_step(step_loss, grad_clip)
-    iter_num = run.iter_num
+    grad_norm, updated, stopping = run.optimizer_step(step_loss, grad_clip, iter_num + 1)
+    iter_num += 1
     if updated:  # a skipped step's loss is NaN or infinite: it is counted in skipped_steps, not averaged in
         loss_acc += step_loss
         normaliser_window += normaliser
@@ -149,18 +151,19 @@ while iter_num < max_iters:
         metrics = dict(iter=iter_num, loss=loss_total / normaliser_window if normaliser_window else float("nan"), lr=lr,
                        grad_norm=grad_norm, skipped_steps=run.skipped_steps, **perf)
         print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | lr {lr:.2e} | grad norm {grad_norm:.2f} | "
-               f"{meter.line(metrics)} | eta {common.format_eta(eta)}")
+               f"{meter.line(metrics)} | eta {format_eta(eta)}")
         logger.log(metrics)
         loss_acc.zero_()
         normaliser_window = 0
     if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
-        common.save_checkpoint(run, step.state, config, extra={})
+        save_checkpoint(run, iter_num, step.state, config, extra={})
         logger.finish()
-        run.stopped(out_dir)
+        run.exit_stopped(iter_num)
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
-        common.save_checkpoint(run, step.state, config, extra={}, evaluation=evaluate())
+        save_checkpoint(run, iter_num, step.state, config, extra={}, evaluation=evaluate())
         eval_seconds += time.perf_counter() - t_eval
 
 logger.finish()
-common.finish(run, out_dir)
+export_hf(run)
+teardown_distributed()

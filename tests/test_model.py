@@ -17,6 +17,9 @@ from safetensors.torch import load_file, save_file
 
 import model as M
 from model import ModelConfig, Transformer
+import hf
+import kernels
+from hf import from_pretrained, save_pretrained
 from conftest import cuda, next_token_targets
 
 transformers = pytest.importorskip("transformers")
@@ -80,7 +83,7 @@ def hf_logits(m, ids, lens):
 def test_hf_logits_match_and_round_trip(kind, tmp_path):
     ref = hf_model(kind)
     ref.save_pretrained(tmp_path / "hf")
-    ours = Transformer.from_pretrained(str(tmp_path / "hf")).eval()
+    ours = from_pretrained(str(tmp_path / "hf")).eval()
     assert ours.config.arch == kind.removesuffix("-untied")
     assert (ours.lm_head is None) == ref.config.tie_word_embeddings
     ids, pos, cu, maxlen = packed_inputs(LENS, 203)
@@ -92,7 +95,7 @@ def test_hf_logits_match_and_round_trip(kind, tmp_path):
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=0)
 
     # our save_pretrained -> transformers loads it with identical logits (sharded, to exercise the index)
-    ours.save_pretrained(str(tmp_path / "ours"), max_shard_bytes=100_000)
+    save_pretrained(ours, str(tmp_path / "ours"), max_shard_bytes=100_000)
     assert os.path.exists(tmp_path / "ours" / "model.safetensors.index.json")
     # our config.json carries no token ids yet, and SmolLM3Config's defaults (Llama-3's) lie past this vocab
     ids_kw = dict(pad_token_id=None, bos_token_id=None, eos_token_id=None) if kind == "smollm3" else {}
@@ -100,7 +103,7 @@ def test_hf_logits_match_and_round_trip(kind, tmp_path):
     assert type(back) is type(ref)
     torch.testing.assert_close(hf_logits(back, ids, LENS), expected, atol=1e-4, rtol=0)
     # ... and so do we, from our own sharded folder
-    again = Transformer.from_pretrained(str(tmp_path / "ours")).eval()
+    again = from_pretrained(str(tmp_path / "ours")).eval()
     with torch.no_grad():
         torch.testing.assert_close(again(ids, pos, cu, maxlen), got, atol=0, rtol=0)
 
@@ -109,7 +112,7 @@ def test_hf_loss_matches(tmp_path):
     """model(targets=...) sums the same token cross-entropy that Hugging Face averages over its shifted labels."""
     ref = hf_model("llama")
     ref.save_pretrained(tmp_path)
-    ours = Transformer.from_pretrained(str(tmp_path))
+    ours = from_pretrained(str(tmp_path))
     ids = torch.randint(0, 203, (40,))
     labels = ids.clone()
     labels[:10] = -100  # a prompt
@@ -124,43 +127,43 @@ def test_unsupported_hf_configs_name_the_key():
     base = json.loads(transformers.LlamaConfig(**HF_COMMON).to_json_string())
     yarn = dict(base, rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4})
     with pytest.raises(ValueError, match="rope_parameters.*yarn"):
-        M.config_from_hf(yarn)
+        hf.config_from_hf(yarn)
     legacy = dict(base, rope_theta=1e4, rope_scaling={"type": "dynamic", "factor": 2.0})
     legacy.pop("rope_parameters", None)
     with pytest.raises(ValueError, match="rope_scaling.*dynamic"):
-        M.config_from_hf(legacy)
+        hf.config_from_hf(legacy)
     qwen = dict(base, model_type="qwen2", use_sliding_window=True, sliding_window=64)
     with pytest.raises(ValueError, match="use_sliding_window"):
-        M.config_from_hf(qwen)
+        hf.config_from_hf(qwen)
     with pytest.raises(ValueError, match="model_type"):
-        M.config_from_hf(dict(base, model_type="gpt2"))
+        hf.config_from_hf(dict(base, model_type="gpt2"))
     # the legacy keys (rope_theta + rope_scaling with 'type') are read like the new ones
     old = dict(base, rope_theta=777.0, rope_scaling={"type": "linear", "factor": 2.0})
     old.pop("rope_parameters", None)
-    cfg = M.config_from_hf(old)
+    cfg = hf.config_from_hf(old)
     assert cfg.rope_theta == 777.0 and cfg.rope_scaling == {"factor": 2.0, "rope_type": "linear"}
 
 
 def test_qwen3_and_smollm3_configs():
     qwen3 = json.loads(transformers.Qwen3Config(**HF_COMMON).to_json_string())
     # Qwen3 configs carry sliding-window fields while it is off: accepted then, an error when on (as Qwen2)
-    cfg = M.config_from_hf(dict(qwen3, use_sliding_window=False, sliding_window=4096))
+    cfg = hf.config_from_hf(dict(qwen3, use_sliding_window=False, sliding_window=4096))
     assert cfg.arch == "qwen3" and cfg.qk_norm and not cfg.qkv_bias and cfg.sliding_window is None
     with pytest.raises(ValueError, match="use_sliding_window=True is not supported: per-layer sliding windows"):
-        M.config_from_hf(dict(qwen3, use_sliding_window=True, sliding_window=64))
+        hf.config_from_hf(dict(qwen3, use_sliding_window=True, sliding_window=64))
     with pytest.raises(ValueError, match="attention_bias=True is not supported"):  # Qwen3's would be on o_proj too
-        M.config_from_hf(dict(qwen3, attention_bias=True))
+        hf.config_from_hf(dict(qwen3, attention_bias=True))
     smol = json.loads(transformers.SmolLM3Config(**{**HF_COMMON, "num_hidden_layers": 8}, pad_token_id=None,
                                                  bos_token_id=None, eos_token_id=None).to_json_string())
-    assert M.config_from_hf(smol).nope_layers == (3, 7)  # transformers' default: every 4th layer skips RoPE
+    assert hf.config_from_hf(smol).nope_layers == (3, 7)  # transformers' default: every 4th layer skips RoPE
     del smol["no_rope_layers"]
-    assert M.config_from_hf(dict(smol, no_rope_layer_interval=2)).nope_layers == (1, 3, 5, 7)  # as transformers does
+    assert hf.config_from_hf(dict(smol, no_rope_layer_interval=2)).nope_layers == (1, 3, 5, 7)  # as transformers does
     for bad in ([1, 1, 1], [1, 2, 1, 1, 1, 1, 1, 1], "11101110"):
         with pytest.raises(ValueError, match=re.escape(f"no_rope_layers={bad!r} is not supported: expected a list "
                                                        f"of 8 (num_hidden_layers) 0s and 1s")):
-            M.config_from_hf(dict(smol, no_rope_layers=bad))
+            hf.config_from_hf(dict(smol, no_rope_layers=bad))
     with pytest.raises(ValueError, match="use_sliding_window=True is not supported"):  # SmolLM3: on NoPE layers
-        M.config_from_hf(dict(smol, use_sliding_window=True, sliding_window=16))
+        hf.config_from_hf(dict(smol, use_sliding_window=True, sliding_window=16))
     with pytest.raises(AssertionError, match="qk_norm needs arch='qwen3'"):  # save_pretrained could not write it
         ModelConfig(qk_norm=True)
 
@@ -170,7 +173,7 @@ def test_linear_rope_scaling_matches_hf(tmp_path):
     cfg = transformers.LlamaConfig(**HF_COMMON, rope_scaling={"rope_type": "linear", "factor": 4.0})
     ref = transformers.LlamaForCausalLM(cfg).float().eval()
     ref.save_pretrained(tmp_path)
-    ours = Transformer.from_pretrained(str(tmp_path)).eval()
+    ours = from_pretrained(str(tmp_path)).eval()
     ids = torch.randint(0, 203, (50,))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), ref(ids[None]).logits[0], atol=1e-4, rtol=0)
@@ -207,18 +210,18 @@ def test_bad_config_json_names_the_file_and_key(llama_dir, tmp_path, case):
     edit(hf)
     (tmp_path / "config.json").write_text(json.dumps(hf))
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'}: {message}")):
-        Transformer.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
 
 
 def test_missing_or_unparsable_config_json(tmp_path):
     with pytest.raises(FileNotFoundError, match=re.escape(f"{tmp_path / 'config.json'} not found")):
-        Transformer.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text('{\n  "model_type": "llama",\n  "vocab_size": 203,,\n}')
     with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'config.json'}: not valid JSON (") + r".*line 3 column 21"):  # the 2nd comma
-        Transformer.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
     (tmp_path / "config.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match=r"config\.json: holds a JSON list, not an object"):
-        Transformer.from_pretrained(str(tmp_path))
+        from_pretrained(str(tmp_path))
 
 
 def test_truncated_safetensors_and_missing_shard_are_named(llama_dir, tmp_path):
@@ -227,13 +230,13 @@ def test_truncated_safetensors_and_missing_shard_are_named(llama_dir, tmp_path):
     file.write_bytes(file.read_bytes()[:file.stat().st_size // 2])  # an interrupted download
     with pytest.raises(ValueError, match=re.escape(f"{file}: incomplete or corrupt safetensors file (") +
                        r".* — re-download or re-export the model"):
-        Transformer.from_pretrained(str(tmp_path / "cut"))
-    tiny().save_pretrained(str(tmp_path / "sharded"), max_shard_bytes=20_000)
+        from_pretrained(str(tmp_path / "cut"))
+    save_pretrained(tiny(), str(tmp_path / "sharded"), max_shard_bytes=20_000)
     shard = tmp_path / "sharded" / "model-00002-of-00007.safetensors"
     shard.unlink()
     with pytest.raises(FileNotFoundError, match=re.escape(f"{shard} not found, but ") +
                        r".*model\.safetensors\.index\.json lists it"):
-        Transformer.from_pretrained(str(tmp_path / "sharded"))
+        from_pretrained(str(tmp_path / "sharded"))
 
 
 def edited_checkpoint(src, dst, edit_tensors=None, edit_config=None):
@@ -257,64 +260,64 @@ def test_stray_tensors_are_an_error(llama_dir, tmp_path):
     with pytest.raises(ValueError, match=re.escape(
             f"{bias}: 2 tensor(s) in the checkpoint are not used by this llama config.json, e.g. "
             f"['model.layers.0.self_attn.o_proj.bias', 'model.layers.1.self_attn.o_proj.bias'] — ")):
-        Transformer.from_pretrained(bias)
+        from_pretrained(bias)
     extra = edited_checkpoint(llama_dir, tmp_path / "extra", lambda t: t.update(
         {f"model.layers.{i}.adapter.weight": torch.zeros(2) for i in range(5)}))
     with pytest.raises(ValueError, match=re.escape("5 tensor(s)") + r".*e\.g\. \['model\.layers\.0\.adapter\.weight', "
                        r"'model\.layers\.1\.adapter\.weight', 'model\.layers\.2\.adapter\.weight'\] — "):
-        Transformer.from_pretrained(extra)
+        from_pretrained(extra)
     # the embedding has as many rows as vocab_size says, no more and no fewer (the padding is ours to add)
     rows = edited_checkpoint(llama_dir, tmp_path / "rows", edit_config=lambda hf: hf.update(vocab_size=250))
     with pytest.raises(ValueError, match=re.escape(
             f"{rows}: tensor 'model.embed_tokens.weight' has shape (203, 64), config.json implies (250, 64)")):
-        Transformer.from_pretrained(rows)
+        from_pretrained(rows)
     # a separate head that is missing
     no_head = edited_checkpoint(llama_dir, tmp_path / "no_head", lambda t: t.pop("lm_head.weight"))
     with pytest.raises(ValueError, match=re.escape(
             f"{no_head}: tensor 'lm_head.weight' missing from the checkpoint (config.json says tie_word_embeddings=false)")):
-        Transformer.from_pretrained(no_head)
+        from_pretrained(no_head)
 
 
 def test_harmless_extras_load(llama_dir, tmp_path):
     """Old transformers exports hold rotary inv_freq buffers, and tied models may hold a copy of the head."""
     ids = torch.randint(0, 203, (20,))
     with torch.no_grad():
-        expected = Transformer.from_pretrained(str(llama_dir))(ids)
+        expected = from_pretrained(str(llama_dir))(ids)
     old = edited_checkpoint(llama_dir, tmp_path / "old", lambda t: t.update({
         "model.rotary_emb.inv_freq": torch.ones(8), "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}))
     with torch.no_grad():
-        assert torch.equal(Transformer.from_pretrained(old)(ids), expected)
+        assert torch.equal(from_pretrained(old)(ids), expected)
 
     hf_model("qwen2").save_pretrained(tmp_path / "qwen2")  # tied: transformers writes no lm_head.weight
     with torch.no_grad():
-        expected = Transformer.from_pretrained(str(tmp_path / "qwen2"))(ids)
+        expected = from_pretrained(str(tmp_path / "qwen2"))(ids)
     copy = edited_checkpoint(tmp_path / "qwen2", tmp_path / "copy",
                              lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"].clone()}))
     with torch.no_grad():
-        assert torch.equal(Transformer.from_pretrained(copy)(ids), expected)
+        assert torch.equal(from_pretrained(copy)(ids), expected)
     differs = edited_checkpoint(tmp_path / "qwen2", tmp_path / "differs",
                                 lambda t: t.update({"lm_head.weight": t["model.embed_tokens.weight"] + 1}))
     with pytest.raises(ValueError, match=re.escape(
             f"{differs}: config.json says tie_word_embeddings=true, but the checkpoint's 'lm_head.weight' "
             f"differs from 'model.embed_tokens.weight'")):
-        Transformer.from_pretrained(differs)
+        from_pretrained(differs)
 
 
 def test_export_is_readable_by_others_and_replaces_an_older_export(tmp_path):
     old_umask = os.umask(0o022)
     try:
         first = tiny()
-        first.save_pretrained(str(tmp_path), max_shard_bytes=20_000)  # 7 shards + index
+        save_pretrained(first, str(tmp_path), max_shard_bytes=20_000)  # 7 shards + index
         files = os.listdir(tmp_path)
         assert len(files) == 9 and all(os.stat(tmp_path / f).st_mode & 0o777 == 0o644 for f in files)
         os.umask(0o027)  # the mode follows the umask, also for files that already exist
         second = tiny()
-        second.save_pretrained(str(tmp_path))
+        save_pretrained(second, str(tmp_path))
     finally:
         os.umask(old_umask)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]  # no stale index or shards
     assert all(os.stat(tmp_path / f).st_mode & 0o777 == 0o640 for f in os.listdir(tmp_path))
-    loaded = Transformer.from_pretrained(str(tmp_path))
+    loaded = from_pretrained(str(tmp_path))
     for name, p in loaded.named_parameters():  # the second model's weights (the vocab padding is not saved)
         assert torch.equal(p[:100], second.get_parameter(name)[:100])
 
@@ -405,7 +408,7 @@ def test_packed_loss_equals_the_sum_of_sequence_losses():
 
 @pytest.fixture
 def small_chunks(monkeypatch):
-    monkeypatch.setattr(M, "LOSS_CHUNK", 8)  # many chunks, including wholly ignored stretches
+    monkeypatch.setattr(kernels, "LOSS_CHUNK", 8)  # many chunks, including wholly ignored stretches
 
 
 def head_inputs(T=70, d=16, V=50, Vp=64):
@@ -423,7 +426,7 @@ def test_chunked_cross_entropy_matches_full_logits(small_chunks):
     h, w, targets, V = head_inputs()
     weights = torch.rand(len(targets))
     for wts in (None, weights):
-        loss, n = M.chunked_cross_entropy(h, w, targets, V, wts)
+        loss, n = kernels.chunked_cross_entropy(h, w, targets, V, wts)
         gh, gw = torch.autograd.grad(loss * 1.7, [h, w])  # non-unit upstream gradient
         ce = F.cross_entropy(h @ w[:V].t(), targets, reduction="none", ignore_index=-100)
         ref = ce.sum() if wts is None else (ce * wts).sum()
@@ -437,7 +440,7 @@ def test_chunked_cross_entropy_matches_full_logits(small_chunks):
 
 def test_chunked_logprobs_match_full_logits(small_chunks):
     h, w, targets, V = head_inputs()
-    lp = M.chunked_logprobs(h, w, targets, V)
+    lp = kernels.chunked_logprobs(h, w, targets, V)
     full = torch.log_softmax(h @ w[:V].t(), -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
     ref = torch.where(targets == -100, 0.0, full)
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-6)
@@ -448,7 +451,7 @@ def test_chunked_logprobs_match_full_logits(small_chunks):
 
 def test_all_ignored_targets_give_zero_loss_and_grads(small_chunks):
     h, w, targets, V = head_inputs()
-    loss, n = M.chunked_cross_entropy(h, w, torch.full_like(targets, -100), V)
+    loss, n = kernels.chunked_cross_entropy(h, w, torch.full_like(targets, -100), V)
     gh, gw = torch.autograd.grad(loss, [h, w])
     assert n.item() == 0 and loss.item() == 0.0 and gh.abs().max() == 0 and gw.abs().max() == 0
 
@@ -485,9 +488,9 @@ def test_logprobs_are_scored_at_the_predicting_position():
 def test_autocast_bf16_head_is_close():
     """Under bf16 autocast the head runs in bf16 with float32 softmax: close to float32, not equal."""
     h, w, targets, V = head_inputs()
-    ref, _ = M.chunked_cross_entropy(h, w, targets, V)
+    ref, _ = kernels.chunked_cross_entropy(h, w, targets, V)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        got, _ = M.chunked_cross_entropy(h, w, targets, V)
+        got, _ = kernels.chunked_cross_entropy(h, w, targets, V)
     assert got.dtype == torch.float32
     torch.testing.assert_close(got, ref, rtol=2e-2, atol=0)  # bf16 has 8 mantissa bits: ~0.4% per logit
 
@@ -517,11 +520,11 @@ def test_presets_have_the_published_shapes():
     assert abs(sizes["llama-3.1-8b"] - 8030.3e6) < 1e6
     # Qwen3 model cards: 0.6B (0.44B without the embedding), 1.7B (1.4B); exactly, from the published shapes:
     assert sizes["qwen3-0.6b"] == 596_049_920 and sizes["qwen3-1.7b"] == 1_720_574_976
-    assert M.config_from_hf(QWEN3_0_6B_CONFIG_JSON) == M.config_from_preset("qwen3-0.6b")
+    assert hf.config_from_hf(QWEN3_0_6B_CONFIG_JSON) == M.config_from_preset("qwen3-0.6b")
     for name in ("qwen3-0.6b", "qwen3-1.7b"):  # transformers' own Qwen3 counts the same from our config.json
         cfg = M.config_from_preset(name)
         with torch.device("meta"):
-            ref = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**M.config_to_hf(cfg, torch.bfloat16)))
+            ref = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**hf.config_to_hf(cfg, torch.bfloat16)))
         assert ref.num_parameters() == sizes[name]
     with pytest.raises(ValueError, match="unknown model preset"):
         M.config_from_preset("gpt-5")

@@ -138,46 +138,39 @@ def test_make_batch_fields():
     assert mb.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 0]
     assert mb.seq_ids.tolist() == [0, 0, 0, 0, 1, 1, 1, 2]
     assert mb.cu_seqlens.tolist() == [0, 4, 7, 8] and mb.cu_seqlens.dtype == torch.int32
-    assert mb.max_seqlen == 4 and mb.example_indices.tolist() == [2, 0, 1]
+    assert mb.max_seqlen == 4 and mb.units.tolist() == [2, 0, 1]
     assert (mb.num_sequences, mb.num_tokens, mb.num_target_tokens, mb.num_padding) == (3, 8, 3, 0)
     for t in (mb.input_ids, mb.targets, mb.position_ids, mb.seq_ids):
         assert t.dtype == torch.long and t.shape == (8,)
 
-    padded = make_batch(data, [2, 0, 1], pad_to=13)  # a dummy tail segment of 5 (< PAD_SEGMENT)
-    assert padded.input_ids.shape == (13,) and padded.input_ids[:8].tolist() == mb.input_ids.tolist()
-    assert padded.targets[7:].tolist() == [IGNORE_INDEX] * 6
-    assert padded.position_ids[8:].tolist() == [0, 1, 2, 3, 4]
-    assert padded.seq_ids[8:].tolist() == [3] * 5  # seq_id == num_sequences marks the tail
-    assert padded.cu_seqlens.tolist() == [0, 4, 7, 8, 13]
-    assert (padded.max_seqlen, padded.num_tokens, padded.num_padding) == (5, 8, 5)
-    assert padded.num_target_tokens == 3
-    values = torch.arange(13, dtype=torch.float32)
-    assert padded.sequence_sums(values).tolist() == [0 + 1 + 2 + 3, 4 + 5 + 6, 7]  # tail dropped
+    values = torch.arange(8, dtype=torch.float32)
+    assert mb.sequence_sums(values).tolist() == [0 + 1 + 2 + 3, 4 + 5 + 6, 7]
 
-    moved = padded.to("cpu")
-    assert moved.num_tokens == 8 and torch.equal(moved.cu_seqlens, padded.cu_seqlens)
-    with pytest.raises(ValueError, match="do not fit pad_to=7"):
-        make_batch(data, [2, 0, 1], pad_to=7)
+    filler = make_batch(data, [])  # one dummy token, no targets, its own slot in sequence_sums
+    assert filler.input_ids.tolist() == [0] and filler.targets.tolist() == [IGNORE_INDEX]
+    assert (filler.num_sequences, filler.num_tokens, filler.num_padding, filler.seq_ids.tolist()) == (0, 0, 1, [0])
+    assert filler.sequence_sums(torch.ones(1)).tolist() == []
+    moved = mb.to("cpu")
+    assert moved.num_tokens == 8 and torch.equal(moved.cu_seqlens, mb.cu_seqlens)
 
 
-@pytest.mark.parametrize("pad_to", [None, 512])
 @pytest.mark.parametrize("shared", [False, True], ids=["whole", "prefix-shared"])
-def test_dpo_layout_targets_and_pair_sums(pad_to, shared):
+def test_dpo_layout_targets_and_pair_sums(shared):
     data = make_dpo_data(40, seed=3)
     offsets = data["offsets"]
     rng = np.random.default_rng(4)
     pairs = rng.permutation(40)[:9]
     prefix = shared_prefixes(data)
-    mb = make_batch(data, pairs, pad_to=pad_to, dpo=True, prefix=prefix if shared else None)
+    mb = make_batch(data, pairs, dpo=True, prefix=prefix if shared else None)
     assert mb.num_pairs == 9 and mb.num_sequences == 18
-    assert mb.example_indices.tolist() == [e for p in pairs for e in (2 * p, 2 * p + 1)]
-    assert mb.pair_indices.tolist() == pairs.tolist()
-    assert mb.num_tokens == int(np.diff(offsets)[mb.example_indices].sum() - shared * prefix[pairs].sum())
+    examples = [e for p in pairs for e in (2 * p, 2 * p + 1)]
+    assert mb.units.tolist() == pairs.tolist()
+    assert mb.num_tokens == int(np.diff(offsets)[examples].sum() - shared * prefix[pairs].sum())
     # Every sequence is recovered from the stream: its query segment holds its tokens from `skip` on, at
     # positions skip.., and (sharing) its key segment lists the stream rows of all its tokens in order.
     cu, ids, pos = mb.cu_seqlens.tolist(), mb.input_ids.numpy(), mb.position_ids.numpy()
     rows = {}
-    for j, e in enumerate(mb.example_indices.tolist()):
+    for j, e in enumerate(examples):
         x = data["ids"][offsets[e]:offsets[e + 1]]
         skip = int(prefix[e // 2]) if shared and e % 2 else 0
         assert np.array_equal(ids[cu[j]:cu[j + 1]], x[skip:]) and np.array_equal(pos[cu[j]:cu[j + 1]], np.arange(skip, len(x)))
@@ -191,7 +184,7 @@ def test_dpo_layout_targets_and_pair_sums(pad_to, shared):
     # Targets are (row, token, sequence) triples: exactly position j -> token j+1 where token j+1 is trained.
     triples = sorted(zip(mb.seq_ids.tolist(), mb.target_rows.tolist(), mb.targets.tolist()))
     expected = []
-    for k, e in enumerate(mb.example_indices.tolist()):
+    for k, e in enumerate(examples):
         x, m = data["ids"][offsets[e]:offsets[e + 1]], data["loss_mask"][offsets[e]:offsets[e + 1]]
         expected += [(k, int(rows[e][j]), int(x[j + 1])) for j in range(len(x) - 1) if m[j + 1]]
     assert triples == sorted(expected) and mb.num_target_tokens == len(expected)
@@ -229,7 +222,7 @@ def loader_steps(data, world_size, n_steps, **kw):
 
 
 def step_examples(rank_steps):
-    return sorted(e for st in rank_steps for mb in st.microbatches for e in mb.example_indices.tolist())
+    return sorted(e for st in rank_steps for mb in st.microbatches for e in mb.units.tolist())
 
 
 def test_loader_same_global_steps_any_world_size_and_budget():
@@ -242,16 +235,14 @@ def test_loader_same_global_steps_any_world_size_and_budget():
         for ref, st in zip(reference, steps):
             assert step_examples(ref) == step_examples(st)
             g = st[0]  # global counts agree across ranks and with the sum of the ranks' micro-batches
-            assert all((s.num_tokens, s.num_target_tokens, s.num_examples) ==
-                       (g.num_tokens, g.num_target_tokens, g.num_examples) for s in st)
-            assert (g.num_tokens, g.num_target_tokens) == (ref[0].num_tokens, ref[0].num_target_tokens)
-            assert g.num_tokens == sum(mb.num_tokens for s in st for mb in s.microbatches)
+            assert all((s.num_target_tokens, s.num_examples) == (g.num_target_tokens, g.num_examples) for s in st)
+            assert g.num_target_tokens == ref[0].num_target_tokens
+            assert sum(mb.num_tokens for s in st for mb in s.microbatches) == lengths[step_examples(st)].sum()
             assert g.num_target_tokens == sum(mb.num_target_tokens for s in st for mb in s.microbatches)
             assert len({len(s.microbatches) for s in st}) == 1  # same count on every rank
             assert all(mb.num_tokens <= budget for s in st for mb in s.microbatches)
             # near-equal split: greedy longest-first is off by at most one example's length
             tokens = [sum(mb.num_tokens for mb in s.microbatches) for s in st]
-            assert tokens == g.rank_tokens
             assert max(tokens) - min(tokens) <= max(lengths[step_examples(st)])
 
 
@@ -266,15 +257,12 @@ def test_loader_epoch_covers_every_example_once_and_keeps_partial_batch():
         assert sorted(epoch) == list(range(103))
     assert epochs[0] != epochs[1]  # reshuffled
     assert [st[0].epoch for st in steps] == [0] * 11 + [1] * 11
-    dropped, _ = loader_steps(data, 1, 10, batch_size=10, microbatch_tokens=1024, seed=1, drop_last=True)
-    assert len(PackedLoader(data, 10, 1024, drop_last=True)) == 10
-    assert [step_examples(d) for d in dropped] == [step_examples(s) for s in steps[:10]]  # same order
 
 
 def test_loader_resume_mid_epoch():
     lengths = lognormal_lengths(150, 1024, seed=8, median=60, p99=900)
     data = make_sft_data(lengths)
-    kw = dict(batch_size=12, microbatch_tokens=1024, world_size=2, rank=1, seed=3, pad_to=1024)
+    kw = dict(batch_size=12, microbatch_tokens=1024, world_size=2, rank=1, seed=3)
     full = PackedLoader(data, **kw)
     steps = [next(full) for _ in range(20)]  # 13 steps per epoch: crosses into epoch 1
     first = PackedLoader(data, **kw)
@@ -283,8 +271,7 @@ def test_loader_resume_mid_epoch():
     resumed = PackedLoader(data, **kw)
     resumed.load_state_dict(st.state)
     # a new world size and budget may resume the same run: same global step content
-    other = PackedLoader(data, **{**kw, "world_size": 1, "rank": 0, "microbatch_tokens": 2048,
-                                  "pad_to": None})
+    other = PackedLoader(data, **{**kw, "world_size": 1, "rank": 0, "microbatch_tokens": 2048})
     other.load_state_dict(first.state_dict())
     for expected in steps[5:]:
         got = next(resumed)
@@ -292,7 +279,6 @@ def test_loader_resume_mid_epoch():
                                                                len(expected.microbatches))
         for a, b in zip(got.microbatches, expected.microbatches):
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.cu_seqlens, b.cu_seqlens)
-            assert a.input_ids.shape == (1024,)  # pad_to: static shape
         assert next(other).num_target_tokens == expected.num_target_tokens
     with pytest.raises(ValueError, match="seed=3 but this loader has 4"):
         PackedLoader(data, **{**kw, "seed": 4}).load_state_dict(st.state)
@@ -321,20 +307,18 @@ def test_loader_dpo_keeps_pairs_together():
         assert st[0].num_examples == 2 * st[0].num_pairs
         for s in st:
             for mb in s.microbatches:
-                ex = mb.example_indices.view(-1, 2)
-                assert (ex[:, 0] % 2 == 0).all() and (ex[:, 1] == ex[:, 0] + 1).all()
-                assert torch.equal(ex[:, 0] // 2, mb.pair_indices)
-                seen += mb.pair_indices.tolist()
+                assert mb.num_sequences == 2 * mb.num_pairs == 2 * len(mb.units)
+                seen += mb.units.tolist()
     assert sorted(seen) == list(range(50))
 
 
-def test_loader_counts_and_padding():
+def test_loader_counts_without_padding():
     lengths = lognormal_lengths(64, 1024, seed=10, median=100, p99=800)
-    loader = PackedLoader(make_sft_data(lengths), batch_size=64, microbatch_tokens=1024, pad_to=1024)
+    loader = PackedLoader(make_sft_data(lengths), batch_size=64, microbatch_tokens=1024)
     st = next(loader)
-    assert st.num_tokens == sum(mb.num_tokens for mb in st.microbatches) == lengths.sum()
+    assert sum(mb.num_tokens for mb in st.microbatches) == lengths.sum()
     assert st.num_target_tokens == sum(mb.num_target_tokens for mb in st.microbatches)
-    assert all(mb.num_tokens + mb.num_padding == 1024 for mb in st.microbatches)
+    assert all(mb.input_ids.numel() == mb.num_tokens and mb.num_padding == 0 for mb in st.microbatches)
 
 
 def test_loader_rejects_too_long_example():
@@ -344,24 +328,3 @@ def test_loader_rejects_too_long_example():
     dpo = make_dpo_data(4)
     with pytest.raises(ValueError, match="pair 0 has .* raise microbatch_tokens"):
         PackedLoader(dpo, batch_size=2, microbatch_tokens=8, dpo=True)
-
-
-def test_a_long_padding_tail_is_short_segments_and_changes_no_loss():
-    """pad_to far above the model's max_seq_len: the tail is cut into PAD_SEGMENT-token segments, so no position
-    passes the RoPE table and attention over the tail stays O(PAD_SEGMENT) per token; real losses are unchanged."""
-    from model import Transformer, config_from_preset
-    from packing import PAD_SEGMENT
-    data = make_sft_data(np.array([30, 50, 20]))
-    data["ids"] = data["ids"] % 512
-    mb = make_batch(data, [0, 1, 2])
-    padded = make_batch(data, [0, 1, 2], pad_to=100 + 3 * PAD_SEGMENT + 7)
-    tail = np.diff(padded.cu_seqlens.numpy())[3:]
-    assert tail.tolist() == [PAD_SEGMENT] * 3 + [7] and padded.max_seqlen == PAD_SEGMENT
-    assert padded.position_ids.max() < PAD_SEGMENT
-    model = Transformer(config_from_preset("tiny", vocab_size=512, max_seq_len=128))  # pad_to is 3.1x that
-    with torch.no_grad():
-        loss, n = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets)
-        loss_p, n_p = model(padded.input_ids, padded.position_ids, padded.cu_seqlens, padded.max_seqlen,
-                            targets=padded.targets)
-    assert n == n_p
-    torch.testing.assert_close(loss_p, loss, atol=1e-5, rtol=1e-6)  # other packing of the same sums: rounding only

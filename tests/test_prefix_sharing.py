@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import kernels
 import model as M
 from dpo import dpo_loss
 from packing import make_batch, shared_prefixes
@@ -86,7 +87,7 @@ def assert_close_runs(a, b):
 @pytest.mark.parametrize("model_kw", list(MODELS.values()), ids=list(MODELS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_shared_equals_whole_and_alone(monkeypatch, case, model_kw):
-    monkeypatch.setattr(M, "LOSS_CHUNK", 5)  # the LM head's chunk loop runs over several chunks
+    monkeypatch.setattr(kernels, "LOSS_CHUNK", 5)  # the LM head's chunk loop runs over several chunks
     torch.manual_seed(0)
     net = M.Transformer(M.config_from_preset("tiny", vocab_size=VOCAB, **model_kw))
     data = pairs_data(CASES[case])

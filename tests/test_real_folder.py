@@ -51,7 +51,7 @@ def pairs(path, n=40):
 
 
 def assert_round_trips(folder, source):
-    from model import Transformer
+    from hf import from_pretrained
     from tokenizer import Tokenizer
     ours, theirs = Tokenizer.from_dir(folder), transformers.AutoTokenizer.from_pretrained(folder)
     conv = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 = 4"},
@@ -65,7 +65,7 @@ def assert_round_trips(folder, source):
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder).float().eval()
     ids = torch.tensor(ours.render_prompt(conv))
     with torch.no_grad():
-        torch.testing.assert_close(Transformer.from_pretrained(folder).eval()(ids), hf(ids[None]).logits[0],
+        torch.testing.assert_close(from_pretrained(folder).eval()(ids), hf(ids[None]).logits[0],
                                    atol=1e-4, rtol=0)
 
 

@@ -12,7 +12,8 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # model.py lives in the repo root, also for this file's own subprocess
-from model import rope_fused, rope_reference  # noqa: E402
+from kernels import rope_fused  # noqa: E402
+from model import rope_reference  # noqa: E402
 
 
 def rope_angles(P, D, base=10000.0):

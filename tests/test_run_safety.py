@@ -132,9 +132,10 @@ def long_example_jsonl(tmp_path, n_chars):
 
 def model_folder(tmp_path, damage):
     """A real-looking Hugging Face folder of the tiny preset, damaged one way."""
+    from hf import save_pretrained
     from model import Transformer, config_from_preset
     folder = tmp_path / "hf"
-    Transformer(config_from_preset("tiny", vocab_size=261)).save_pretrained(str(folder))
+    save_pretrained(Transformer(config_from_preset("tiny", vocab_size=261)), str(folder))
     if damage == "noconfig":
         os.remove(folder / "config.json")
     elif damage == "badjson":
@@ -229,7 +230,7 @@ def test_overwrite_removes_the_previous_run_first(tmp_path, sft_data):
 
 def test_resume_drops_log_rows_past_the_checkpoint(tmp_path):
     """kill -9 after the last checkpoint leaves rows the resumed run will write again: they are dropped."""
-    from common import MetricsLogger
+    from metrics import MetricsLogger
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(dict(iter=i, loss=1.0 / i)) + "\n" for i in range(1, 10)))
     MetricsLogger(str(tmp_path), resume_iter=5).log(dict(iter=6, loss=0.5))

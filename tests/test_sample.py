@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from model import KVCache, ModelConfig, Transformer
-from sample import generate
+from generate import KVCache, generate
+from model import ModelConfig, Transformer
 
 
 def test_batched_greedy_generation_equals_one_prompt_at_a_time():

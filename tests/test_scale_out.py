@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import ROOT, as_args, builtin_data, run_script, step_metrics
-from model import SafetensorsFolder, Transformer, config_from_preset
+from hf import SafetensorsFolder, save_pretrained
+from model import Transformer, config_from_preset
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -18,8 +19,8 @@ def test_sharded_load_and_export_equal_one_process(tmp_path, world_size, tied):
     torch.manual_seed(0)
     # vocab 203 -> 256 padded rows: with 4 ranks the last shard of the embedding is partly padding
     model = Transformer(config_from_preset("tiny", vocab_size=203, tie_embeddings=tied))
-    model.save_pretrained(str(tmp_path / "hf"), max_shard_bytes=40_000)  # several files: rows come from each
-    model.save_pretrained(str(tmp_path / "one"), max_shard_bytes=30_000)
+    save_pretrained(model, str(tmp_path / "hf"), max_shard_bytes=40_000)  # several files: rows come from each
+    save_pretrained(model, str(tmp_path / "one"), max_shard_bytes=30_000)
     env = dict(os.environ, OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world_size}",
                           os.path.join(ROOT, "tests", "fsdp_check.py"), str(tmp_path / "hf"), str(tmp_path / "export")],
@@ -37,7 +38,7 @@ def test_fsdp_from_a_model_folder_equals_one_process(tmp_path):
     from tokenizer import get_tokenizer
     torch.manual_seed(0)
     folder = str(tmp_path / "hf")
-    Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)).save_pretrained(folder)
+    save_pretrained(Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)), folder)
     data = builtin_data(tmp_path / "data", "sft", n_train=64, n_val=8)
     cfg = dict(data=data, init_from=folder, batch_size=16, microbatch_tokens=512, max_iters=3, learning_rate=1e-2,
                warmup_iters=0, log_interval=1, eval_interval=0, eval_examples=0, seed=7)
@@ -62,7 +63,7 @@ def test_streamed_safetensors_files_read_back(tmp_path, dtype):
     model = Transformer(config_from_preset("tiny", vocab_size=203)).to(dtype)
     for max_shard_bytes in (2**30, 30_000):
         folder = tmp_path / str(max_shard_bytes)
-        model.save_pretrained(str(folder), max_shard_bytes=max_shard_bytes)
+        save_pretrained(model, str(folder), max_shard_bytes=max_shard_bytes)
         tensors = {}
         for name in sorted(os.listdir(folder)):
             if name.endswith(".safetensors"):
@@ -118,7 +119,7 @@ def test_live_reference_under_fsdp_from_a_folder_equals_the_cached_one(tmp_path)
     from tokenizer import get_tokenizer
     torch.manual_seed(0)
     folder = str(tmp_path / "hf")
-    Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)).save_pretrained(folder)
+    save_pretrained(Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)), folder)
     pairs = builtin_data(tmp_path / "pairs", "dpo", n_train=48, n_val=8)
     cached, live = str(tmp_path / "cached"), str(tmp_path / "live")
     run_script("train_dpo.py", common_args(cached, pairs, init_from=folder, max_iters=3))

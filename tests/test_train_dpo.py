@@ -151,11 +151,12 @@ def test_other_loss_types_run(tmp_path, pairs, loss_type, first_loss):
 def test_default_flow_from_an_sft_folder(tmp_path):
     """The workshop flow, shortened: a Hugging Face folder as train_sft.py leaves it (here a tiny random model),
     then train_dpo.py on the built-in pairs, printing held-out accuracy before and after and exporting a folder."""
+    from hf import save_pretrained
     from model import Transformer, config_from_preset
     from tokenizer import get_tokenizer
     sft = str(tmp_path / "sft_hf")
     torch.manual_seed(0)
-    Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)).save_pretrained(sft)
+    save_pretrained(Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)), sft)
     out_dir = str(tmp_path / "dpo")
     out = run([f"--out_dir={out_dir}", f"--init_from={sft}", "--max_iters=2", "--log_interval=1", "--eval_examples=4"])
     assert "before DPO ->" in out.stdout and "done: checkpoint" in out.stdout, out.stdout[-2000:]

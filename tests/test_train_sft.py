@@ -79,7 +79,7 @@ def test_sequence_loss_weighting_is_exact_under_accumulation(tmp_path, sft_data)
     torch.manual_seed(7)
     model = Transformer(config_from_preset("tiny", vocab_size=261))
     per_example = []
-    for e in next(PackedLoader(data, 16, 4096, seed=7)).microbatches[0].example_indices.tolist():
+    for e in next(PackedLoader(data, 16, 4096, seed=7)).microbatches[0].units.tolist():
         mb = make_batch(data, [e])
         with torch.no_grad():
             loss_sum, n = model(mb.input_ids, mb.position_ids, mb.cu_seqlens, mb.max_seqlen, targets=mb.targets)
@@ -116,9 +116,9 @@ def test_default_run_learns_and_exports(tmp_path):
         exported = json.load(f)
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (256, 260)
     transformers = pytest.importorskip("transformers")
-    from model import Transformer
+    from hf import from_pretrained
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf")).float().eval()
-    ours = Transformer.from_pretrained(os.path.join(out_dir, "hf")).eval()
+    ours = from_pretrained(os.path.join(out_dir, "hf")).eval()
     ids = torch.randint(0, 260, (40,))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids[None]).logits[0], atol=1e-4, rtol=0)

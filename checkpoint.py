@@ -1,0 +1,160 @@
+"""
+A run's state on disk. A checkpoint is a torch.distributed.checkpoint (DCP) folder out_dir/ckpt-<iter>-<n>/ of
+sharded tensors (model + optimizer), each rank writing its own, plus a small out_dir/ckpt.pt naming that folder
+(config, loader position, RNG, iteration), replaced atomically: a kill at any moment leaves ckpt.pt naming a
+complete checkpoint, and any world size and layout (1 process, DDP, FSDP2) resumes it (DCP reshards on load).
+At the end of a run the weights are exported as a Hugging Face folder, out_dir/hf.
+"""
+import json
+import math
+import os
+import random
+import shutil
+import warnings
+from dataclasses import asdict
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+from hf import save_pretrained
+from model import ModelConfig, Transformer
+from parallel import print0
+
+# DCP in one process (no process group) warns at every save and load that it assumes one process: we mean it
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None):
+    """Model and optimizer into a fresh DCP folder (replicated weights, 1 process or DDP, are written once), then
+    rank 0 replaces ckpt.pt and only then removes older folders. extra: the script's own state (run.saved on
+    resume). Weights that are not all finite, or whose evaluation is not, are never written: the previous
+    checkpoint stays. -> whether it was written."""
+    bad = [k for k, v in (evaluation or {}).items() if not math.isfinite(v)]
+    if bad or not all_finite(run.model):
+        print0(f"iter {iter_num}: {'the weights are' if not bad else ', '.join(bad) + ' is'} not finite: checkpoint "
+               f"NOT written ({run.ckpt_path} stays as it was)")
+        return False
+    name = [None]
+    if run.master:  # a fresh folder name, never the one ckpt.pt names now (a resumed run may save the same iter)
+        n = 0
+        while os.path.exists(os.path.join(run.out_dir, f"ckpt-{iter_num:06d}-{n}")):
+            n += 1
+        name = [f"ckpt-{iter_num:06d}-{n}"]
+    if dist.is_initialized():
+        dist.broadcast_object_list(name, src=0)
+    model_sd, optim_sd = get_state_dict(run.model, run.optimizer)  # sharded under FSDP2: each rank its own
+    dcp.save(dict(model=model_sd, optimizer=optim_sd), checkpoint_id=os.path.join(run.out_dir, name[0]),
+             no_dist=not dist.is_initialized())
+    if run.master:
+        tmp = run.ckpt_path + ".tmp"
+        torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
+                        iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
+                        data_dir=portable(run.data_dir, run.out_dir), start=run.start, extra=extra), tmp)
+        os.replace(tmp, run.ckpt_path)
+        for old in os.listdir(run.out_dir):  # earlier checkpoints, and any a kill left half written
+            if old.startswith("ckpt-") and old != name[0]:
+                shutil.rmtree(os.path.join(run.out_dir, old), ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
+def restore_checkpoint(ckpt, folder, model, optimizer=None):
+    """Load the checkpoint's weights (and optimizer state and RNG) from its DCP folder into a placed model,
+    whatever its world size and layout: each rank reads the pieces its own parameters need."""
+    if optimizer is None:
+        state = dict(model=get_model_state_dict(model))
+    else:
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = dict(model=model_sd, optimizer=optim_sd)
+    path = os.path.join(folder, ckpt["weights"])
+    if not os.path.isdir(path):
+        raise SystemExit(f"{path} is missing: ckpt.pt names it as holding the weights; the run folder is incomplete")
+    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    set_model_state_dict(model, state["model"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_rng_state(ckpt["rng"])
+
+
+def load_checkpoint(path):
+    """ckpt.pt: the small part of a checkpoint (its "weights" entry names the DCP folder beside it)."""
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def checkpoint_model(ckpt_path, device="cpu"):
+    """(Transformer with the checkpoint's weights, the checkpoint's small part): for sample.py and tests."""
+    ckpt = load_checkpoint(ckpt_path)
+    with torch.device("meta"):
+        model = Transformer(ModelConfig(**ckpt["model_config"]))
+    model.to_empty(device=device)
+    restore_checkpoint(ckpt, os.path.dirname(ckpt_path), model)
+    return model, ckpt
+
+
+def all_finite(model):
+    """Whether every parameter is finite, on every rank (each checks its own shards under FSDP2)."""
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+    ok = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
+    if dist.is_initialized():
+        dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
+
+
+def portable(path, out_dir):
+    """A path as a checkpoint stores it: relative to the run's folder when inside it (out_dir/data), so a run
+    folder that is copied or moved resumes with its own data; absolute otherwise."""
+    rel = os.path.relpath(os.path.abspath(path), os.path.abspath(out_dir))
+    return rel if not rel.startswith("..") else os.path.abspath(path)
+
+
+def rng_state():
+    np_state = np.random.get_state()
+    return dict(python=random.getstate(), numpy=(np_state[0], np_state[1].tolist(), *np_state[2:]),
+                torch=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
+
+
+def set_rng_state(state):
+    random.setstate(state["python"])
+    np_state = state["numpy"]
+    np.random.set_state((np_state[0], np.array(np_state[1], dtype=np.uint32), *np_state[2:]))
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
+                   "chat_template.jinja", "generation_config.json")
+TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json keys generation tools read
+
+
+def export_hf(run):
+    """The trained weights as out_dir/hf, a Hugging Face folder (every rank calls this; rank 0 writes), with the
+    tokenizer files and special token ids of the folder the run started from, so it loads like the original."""
+    hf_dir = os.path.join(run.out_dir, "hf")
+    if not all_finite(run.model):
+        raise SystemExit(f"the weights are not all finite: no Hugging Face folder written; {run.ckpt_path} holds the "
+                         f"last finite checkpoint")
+    save_pretrained(run.raw_model, hf_dir)  # FSDP2: gathered one tensor at a time, to rank 0's CPU
+    if not run.master:
+        return
+    folders = [f for f in {run.start["init_from"], run.tok.name} if os.path.isdir(f)]
+    for name in TOKENIZER_FILES:
+        for folder in folders:
+            if os.path.exists(os.path.join(folder, name)):
+                shutil.copy(os.path.join(folder, name), hf_dir)
+    ids = dict(bos_token_id=run.tok.bos_id, eos_token_id=run.tok.eos_id, pad_token_id=None)
+    source = os.path.join(run.start["init_from"], "config.json")
+    if os.path.exists(source):  # the source's own ids win: generation must stop where it stopped
+        with open(source) as f:
+            ids.update({k: v for k, v in json.load(f).items() if k in TOKEN_ID_KEYS})
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        hf_config = json.load(f)
+    with open(os.path.join(hf_dir, "config.json"), "w") as f:
+        json.dump({**hf_config, **ids}, f, indent=2)
+    print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}"
+           + (" (byte-level tokenizer: sample.py uses it by default)" if run.tok.name == "byte" else ""))

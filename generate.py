@@ -1,0 +1,127 @@
+"""
+Generation with a KV cache on the packed stream: a batch of prompts is read once, in one packed prefill, then
+each new token is one decode step over the unfinished sequences (no padding anywhere). Used by sample.py (the
+command line), the built-in task's evaluation (data/arithmetic.py) and anything else that samples.
+"""
+import torch
+import torch.nn.functional as F
+
+from model import varlen_attention
+
+
+class KVCache:
+    """Keys and values of a batch of sequences while generating: per layer a buffer (B, Hkv, capacity, D) whose
+    row b holds sequence b's keys at their positions (capacity: the longest sequence when generation ends).
+    A forward with a cache runs rows 0..B-1 in order; begin() is called once per forward, then attend() once by
+    each layer in turn, which writes the layer's new k, v at (row, position) and attends:
+      prefill (the first forward, each sequence from position 0): within the packed stream, as without a cache;
+      decode (each later forward, one new token per row): over the row's positions 0..position, all rows in
+      one SDPA call (on CUDA too: one query row per sequence needs no varlen kernel).
+    keep(rows) drops finished sequences, so later decode steps compute the unfinished ones only."""
+
+    def __init__(self, batch_size, capacity):
+        self.batch_size, self.capacity = batch_size, capacity
+        self.k, self.v = [], []  # per layer (B, Hkv, capacity, D), made at the first write, in k's dtype
+
+    def begin(self, position_ids, cu_seqlens, max_seqlen, sliding_window):
+        """Where this forward's tokens go and, in decode, which keys each one sees.
+        max_seqlen: the longest sequence, its cached tokens included."""
+        T, B = position_ids.shape[0], cu_seqlens.shape[0] - 1
+        assert B == self.batch_size, f"a forward with a cache of {self.batch_size} sequences got {B}"
+        self.layer = 0  # the next attend() is this layer's
+        self.decoding = T == B  # a prefill of length-1 prompts is also one token per row: the same arithmetic
+        self.rows = torch.repeat_interleave(torch.arange(B, device=position_ids.device), cu_seqlens.diff(),
+                                            output_size=T)  # (T,) each token's row
+        self.pos, self.length = position_ids, max_seqlen
+        if self.decoding:
+            key_pos = torch.arange(max_seqlen, device=position_ids.device)
+            sees = key_pos <= position_ids[:, None]  # (B, L) causal; unwritten slots lie past each position
+            if sliding_window is not None:
+                sees &= key_pos > position_ids[:, None] - sliding_window
+            self.mask = sees[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and query rows
+
+    # eager even inside a compiled block: in-place writes into buffers held by a Python object, and no
+    # layer index for the compiler to specialise each layer's code on
+    @torch.compiler.disable
+    def attend(self, q, k, v, cu_seqlens, max_seqlen, sliding_window):
+        """q: (T, Hq, D), k, v: (T, Hkv, D) of the current layer -> (T, Hq, D)."""
+        if self.layer == len(self.k):
+            shape = (self.batch_size, k.shape[1], self.capacity, k.shape[2])
+            self.k.append(k.new_zeros(shape))
+            self.v.append(v.new_zeros(shape))
+        k_buf, v_buf = self.k[self.layer], self.v[self.layer]
+        self.layer += 1
+        k_buf[self.rows, :, self.pos] = k  # (T, Hkv, D) scattered to (row, :, position)
+        v_buf[self.rows, :, self.pos] = v
+        if not self.decoding:
+            return varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window)
+        B, H, D = q.shape
+        k, v = k_buf[:, :, :self.length], v_buf[:, :, :self.length]  # (B, Hkv, L, D)
+        # GQA without repeating K/V: the query heads that share a K/V head become its query rows
+        q = q.view(B, k.shape[1], H // k.shape[1], D)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).reshape(B, H, D)
+
+    def keep(self, rows):
+        """Keep these rows (a list of row indices), in this order, as rows 0..len(rows)-1."""
+        for buffers in (self.k, self.v):
+            for layer, buf in enumerate(buffers):
+                buffers[layer] = buf[torch.tensor(rows, dtype=torch.long, device=buf.device)]
+        self.batch_size = len(rows)
+
+
+@torch.no_grad()
+def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k=None, generator=None,
+             sync_ranks=False, kv_cache=True):
+    """prompts: list of token-id lists. Returns the new tokens of each (the stop token included when hit).
+    temperature 0 is greedy decoding. sync_ranks: under FSDP every forward is a collective, so all ranks
+    step together until every rank is done (a rank with nothing left runs a one-token dummy forward).
+    kv_cache=False re-reads every sequence whole for each new token: the reference the cache is tested against."""
+    device = next(model.parameters()).device
+    seqs = [list(p) for p in prompts]
+    new = [[] for _ in prompts]
+    active = list(range(len(prompts)))
+    stop_ids = set(stop_ids)
+    cache = KVCache(len(prompts), max(map(len, prompts)) + max_new_tokens) if kv_cache and prompts else None
+    for step in range(max_new_tokens):
+        if sync_ranks:
+            busy = torch.tensor(len(active), device=device)
+            torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MAX)
+            if busy.item() == 0:
+                break
+            if not active:
+                model(torch.zeros(1, dtype=torch.long, device=device))
+                continue
+        elif not active:
+            break
+        if cache is None or step == 0:  # whole sequences (with a cache: the prefill of the prompts)
+            lens = [len(seqs[i]) for i in active]
+            ids = [t for i in active for t in seqs[i]]
+            pos = torch.cat([torch.arange(n, device=device) for n in lens])
+        else:  # one decode step: each sequence's newest token, at its position
+            lens = [1] * len(active)
+            ids = [seqs[i][-1] for i in active]
+            pos = torch.tensor([len(seqs[i]) - 1 for i in active], device=device)
+        cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+        max_len = max(len(seqs[i]) for i in active)  # cached tokens included
+        # through forward, not the trunk directly, so that FSDP2's root hooks gather the embeddings and head
+        logits = model(torch.tensor(ids, device=device), pos, cu, max_len, logits_at=cu[1:].long() - 1,
+                       cache=cache).float()  # (B, V): each sequence's last token
+        if temperature == 0.0:
+            next_ids = logits.argmax(-1)
+        else:
+            logits = logits / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            next_ids = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(1)
+        still, rows = [], []
+        for row, (i, t) in enumerate(zip(active, next_ids.tolist())):
+            seqs[i].append(t)
+            new[i].append(t)
+            if t not in stop_ids:
+                still.append(i)
+                rows.append(row)
+        if cache is not None and len(still) < len(active):
+            cache.keep(rows)  # a finished sequence's row leaves the cache: decode steps skip it
+        active = still
+    return new

@@ -1,0 +1,342 @@
+"""
+Hugging Face checkpoints in and out: config.json <-> ModelConfig, safetensors read row by row from memory-mapped
+files (so an FSDP2 rank reads only its own rows) and written tensor by tensor (FSDP2 rows gathered to rank 0's
+CPU one tensor at a time). Module names follow Hugging Face's Llama, so names map one-to-one (_hf_key).
+"""
+import json
+import math
+import os
+
+import torch
+import torch.distributed as dist
+
+from model import ModelConfig, Transformer
+
+_HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+            "mistral": "MistralForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+
+
+def config_from_hf(hf, source="config.json"):
+    """Translate a Hugging Face config dict. A missing or mistyped key, or anything we would silently
+    compute differently, is a ValueError naming the file and the key."""
+    def unsupported(key, why):
+        raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported: {why}")
+
+    def get(key, kind=int, default=None, required=False, within=None):
+        """hf[key] (or hf[within][key]), checked: a string "2" or a bool would otherwise flow into
+        shapes and arithmetic. Numbers must be positive; an int is accepted where a float is expected."""
+        v = (hf if within is None else hf[within]).get(key)
+        name = key if within is None else f"{within}.{key}"
+        if v is None:
+            if required:
+                raise ValueError(f"{source}: required key {name!r} is missing — the file is incomplete; "
+                                 f"re-download the model or add the key")
+            return default
+        if kind is bool:
+            ok = isinstance(v, bool)
+        else:
+            ok = isinstance(v, (int, float) if kind is float else int) and not isinstance(v, bool) and v > 0
+        if not ok:
+            what = "true or false" if kind is bool else f"a positive {kind.__name__}"
+            raise ValueError(f"{source}: {name}={v!r} must be {what} — fix the value in the file")
+        return v
+
+    arch = hf.get("model_type")
+    if not isinstance(arch, str) or arch not in _HF_ARCH:
+        unsupported("model_type", f"nanopack loads {sorted(_HF_ARCH)}")
+    if hf.get("hidden_act", "silu") != "silu":
+        unsupported("hidden_act", "the MLP is SwiGLU (silu)")
+    if hf.get("mlp_bias"):
+        unsupported("mlp_bias", "the MLP has no biases")
+    if arch != "qwen2" and hf.get("attention_bias"):  # Llama, Qwen3, SmolLM3: on o_proj as well
+        unsupported("attention_bias", "only Qwen2-style q/k/v biases are implemented (no o_proj bias)")
+    # rope: newer transformers write rope_parameters (with rope_theta inside), older rope_theta + rope_scaling
+    rope_key = "rope_parameters" if hf.get("rope_parameters") else "rope_scaling"
+    rope = hf.get(rope_key) or {}
+    if not isinstance(rope, dict):
+        unsupported(rope_key, 'expected an object such as {"rope_type": "linear", "factor": 2.0}')
+    theta = get("rope_theta", float, within=rope_key) if rope else None
+    theta = theta or get("rope_theta", float, 10000.0)
+    kind = rope.get("rope_type", rope.get("type", "default"))
+    needs = {"default": (), "linear": ("factor",),  # the keys rope_inv_freq reads
+             "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    if kind not in needs:
+        unsupported(rope_key, f"rope_type {kind!r} (supported: default, linear, llama3)")
+    for key in needs[kind]:
+        get(key, float, required=True, within=rope_key)
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        unsupported("partial_rotary_factor", "RoPE rotates the whole head")
+    scaling = None if kind == "default" else {**{k: v for k, v in rope.items() if k not in ("type", "rope_theta")},
+                                              "rope_type": kind}
+    max_len = get("max_position_embeddings", default=2048)
+    window = None
+    if arch == "mistral":
+        window = get("sliding_window")
+    elif hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+        unsupported("use_sliding_window", "per-layer sliding windows (Qwen2/Qwen3 max_window_layers, SmolLM3 "
+                                          "NoPE layers) are not implemented")
+    if window is not None and window >= max_len:
+        window = None  # a window no sequence can exceed changes nothing
+    n_head, n_layer = get("num_attention_heads", required=True), get("num_hidden_layers", required=True)
+    nope = ()
+    if arch == "smollm3":  # no_rope_layers[i] is 1 where layer i uses RoPE, 0 where it skips it
+        interval = get("no_rope_layer_interval", default=4)  # what transformers derives the list from when absent
+        flags = hf.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n_layer)]
+        if not isinstance(flags, list) or len(flags) < n_layer or any(f not in (0, 1) for f in flags):
+            unsupported("no_rope_layers", f"expected a list of {n_layer} (num_hidden_layers) 0s and 1s")
+        nope = tuple(i for i in range(n_layer) if flags[i] == 0)
+    try:
+        return ModelConfig(
+            vocab_size=get("vocab_size", required=True), n_layer=n_layer,
+            n_head=n_head, n_kv_head=get("num_key_value_heads", default=n_head),
+            d_model=get("hidden_size", required=True), ffn_hidden=get("intermediate_size", required=True),
+            head_dim=get("head_dim"), rope_theta=float(theta), rope_scaling=scaling, max_seq_len=max_len,
+            norm_eps=get("rms_norm_eps", float, 1e-5), qkv_bias=(arch == "qwen2"), qk_norm=(arch == "qwen3"),
+            nope_layers=nope, tie_embeddings=get("tie_word_embeddings", bool, False), sliding_window=window,
+            arch=arch)
+    except AssertionError as e:  # ModelConfig's own checks (head counts, even head_dim)
+        raise ValueError(f"{source}: {e} — the values do not describe a valid model") from None
+
+
+def config_to_hf(cfg, dtype):
+    hf = dict(architectures=[_HF_ARCH[cfg.arch]], model_type=cfg.arch, vocab_size=cfg.vocab_size,
+              hidden_size=cfg.d_model, intermediate_size=cfg.ffn_hidden, num_hidden_layers=cfg.n_layer,
+              num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head, head_dim=cfg.head_dim,
+              hidden_act="silu", max_position_embeddings=cfg.max_seq_len, rms_norm_eps=cfg.norm_eps,
+              rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling, tie_word_embeddings=cfg.tie_embeddings,
+              torch_dtype=str(dtype).removeprefix("torch."))
+    if cfg.arch in ("llama", "qwen3", "smollm3"):
+        hf.update(attention_bias=False, mlp_bias=False)
+    if cfg.arch == "mistral":
+        hf.update(sliding_window=cfg.sliding_window)
+    if cfg.arch in ("qwen2", "qwen3", "smollm3"):
+        hf.update(use_sliding_window=False, sliding_window=None)
+    if cfg.arch == "smollm3":
+        hf.update(no_rope_layers=[int(i not in cfg.nope_layers) for i in range(cfg.n_layer)])
+    return hf
+
+
+def _gather_rows(t, write):
+    """A full tensor on the writer's CPU from an FSDP2 DTensor (dim 0 in torch.chunk pieces over the mesh), rank by
+    rank: the writer (mesh rank 0) receives each other rank's rows into one shard-sized buffer on its device and copies
+    them to CPU; the others send theirs and get None. A plain tensor comes back as it is."""
+    if not hasattr(t, "to_local"):
+        return t
+    local, mesh = t.to_local(), t.device_mesh
+    group, n, world_size = mesh.get_group(), t.shape[0], mesh.size()
+    chunk = -(-n // world_size)
+    if not write:
+        if local.shape[0]:
+            dist.send(local.contiguous(), dist.get_global_rank(group, 0), group=group)
+        return None
+    out = torch.empty(t.shape, dtype=t.dtype)
+    out[:local.shape[0]] = local
+    buf = torch.empty((min(chunk, n), *t.shape[1:]), dtype=t.dtype, device=local.device)
+    for r in range(1, world_size):
+        start = min(n, r * chunk)
+        rows = min(n, start + chunk) - start
+        if rows:
+            dist.recv(buf[:rows], dist.get_global_rank(group, r), group=group)
+            out[start:start + rows] = buf[:rows]
+    return out
+
+
+_SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+def _write_safetensors_header(f, entries):
+    """The safetensors layout: an 8-byte little-endian header length, a JSON header of name -> dtype, shape and
+    byte range (padded with spaces to a multiple of 8), then the tensors' bytes in that order, back to back.
+    entries: (name, shape, torch dtype, nbytes) in the order their bytes will follow."""
+    header, offset = {"__metadata__": {"format": "pt"}}, 0
+    for name, shape, dtype, nbytes in entries:
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    f.write(len(text).to_bytes(8, "little") + text)
+
+
+def _hf_key(name):
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def read_hf_config(path):
+    """The ModelConfig of a Hugging Face model folder, from its config.json alone (no weights read)."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{cfg_path} not found: point to a Hugging Face model folder "
+                                f"(config.json + model.safetensors)")
+    return config_from_hf(_read_json_object(cfg_path), cfg_path)
+
+
+def _read_json_object(path):
+    """json.load that names the file: json's own errors give a line and column but no file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except ValueError as e:  # JSONDecodeError ("... line 3 column 5"), or bytes that are not UTF-8
+        raise ValueError(f"{path}: not valid JSON ({e}) — fix the file or re-download the model") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: holds a JSON {type(obj).__name__}, not an object — fix the file or "
+                         f"re-download the model")
+    return obj
+
+
+class SafetensorsFolder:
+    """The tensors of a model folder (model.safetensors, or shards listed by model.safetensors.index.json), memory-mapped:
+    names and shapes come from the headers, and read() copies only the rows asked for."""
+
+    def __init__(self, path):
+        from safetensors import SafetensorError, safe_open
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            weight_map = _read_json_object(index).get("weight_map")
+            if not isinstance(weight_map, dict) or not all(isinstance(f, str) for f in weight_map.values()):
+                raise ValueError(f"{index}: no \"weight_map\" object of tensor name -> shard file — re-download "
+                                 f"or re-export the model")
+            names = sorted(set(weight_map.values()))
+        elif os.path.exists(os.path.join(path, "model.safetensors")):
+            names = ["model.safetensors"]
+        else:
+            raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json; point to a "
+                                    f"Hugging Face model folder (pytorch_model.bin is not read: unsafe pickle)")
+        self.files = {}  # tensor name -> the open file that holds it
+        for name in names:
+            file = os.path.join(path, name)
+            if not os.path.exists(file):
+                raise FileNotFoundError(f"{file} not found, but {index} lists it — the download is incomplete; "
+                                        f"re-download the model")
+            try:
+                handle = safe_open(file, framework="pt")
+            except SafetensorError as e:  # e.g. "incomplete metadata, file not fully covered": names no file
+                raise ValueError(f"{file}: incomplete or corrupt safetensors file ({e}) — re-download or "
+                                 f"re-export the model") from None
+            self.files.update({key: handle for key in handle.keys()})
+
+    def keys(self):
+        return self.files.keys()
+
+    def has(self, key):
+        return key in self.files
+
+    def shape(self, key):
+        return tuple(self.files[key].get_slice(key).get_shape())
+
+    def dtype(self, key):
+        return self.read(key, 0, 1).dtype
+
+    def read(self, key, start=0, stop=None):
+        """Rows start:stop of a tensor (all of a 1-D one's elements in that range), as a new CPU tensor."""
+        return self.files[key].get_slice(key)[start:stop]
+
+
+
+def from_pretrained(path, dtype=None, device="cpu"):
+    """A Transformer from a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder; dtype None keeps
+    the checkpoint's. Every problem with the folder is one ValueError or FileNotFoundError naming the file.
+    Built on the meta device, then each tensor is read straight into its parameter: peak memory is model + one tensor."""
+    config = read_hf_config(path)
+    files = SafetensorsFolder(path)
+    with torch.device("meta"):
+        model = Transformer(config)
+    model.to(dtype=dtype or files.dtype("model.embed_tokens.weight")).to_empty(device=device)
+    load_hf_weights(model, files)
+    return model
+
+@torch.no_grad()
+def load_hf_weights(model, files):
+    """Fill a placed model's parameters from a Hugging Face folder (a path or a SafetensorsFolder) after checking
+    every name and shape against config.json. A parameter may be an FSDP2 shard (a DTensor split along dim 0 in
+    torch.chunk pieces over the ranks): each rank then reads only its own rows."""
+    files = files if isinstance(files, SafetensorsFolder) else SafetensorsFolder(files)
+    path, cfg = files.path, model.config
+    unused = {k for k in files.keys() if not k.endswith("rotary_emb.inv_freq")}  # old exports' RoPE buffers
+    tied_copy = cfg.tie_embeddings and files.has("lm_head.weight")  # some exports also write the tied head
+    if tied_copy:
+        unused.discard("lm_head.weight")  # checked against the embedding below
+    for name, p in model.named_parameters():
+        key = _hf_key(name)
+        if key not in unused:
+            hint = " (config.json says tie_word_embeddings=false)" if name == "lm_head.weight" else ""
+            raise ValueError(f"{path}: tensor {key!r} missing from the checkpoint{hint} — the weights and "
+                             f"config.json do not match; re-download or re-export the model")
+        unused.discard(key)
+        vocab_rows = name in ("embed_tokens.weight", "lm_head.weight")
+        want = (cfg.vocab_size, *p.shape[1:]) if vocab_rows else tuple(p.shape)
+        if files.shape(key) != want:
+            raise ValueError(f"{path}: tensor {key!r} has shape {files.shape(key)}, config.json implies {want} "
+                             f"— the weights and config.json come from different models")
+    if unused:  # weights the model would drop: a bias, a layer or a head this config has no place for
+        raise ValueError(f"{path}: {len(unused)} tensor(s) in the checkpoint are not used by this "
+                         f"{cfg.arch} config.json, e.g. {sorted(unused)[:3]} — the weights belong to "
+                         f"another architecture or config.json is wrong; re-export the model")
+    for name, p in model.named_parameters():
+        local = p.to_local() if hasattr(p, "to_local") else p
+        start = 0
+        if hasattr(p, "to_local"):  # Shard(0): rank r holds rows [r * ceil(n / W), ...), as torch.chunk splits
+            start = min(p.shape[0], p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()))
+        stop = start + local.shape[0]
+        if name in ("embed_tokens.weight", "lm_head.weight"):  # rows past vocab_size are our padding
+            stop = max(start, min(stop, cfg.vocab_size))
+        rows = files.read(_hf_key(name), start, stop)
+        if name == "embed_tokens.weight" and tied_copy and not torch.equal(rows, files.read("lm_head.weight", start, stop)):
+            raise ValueError(f"{path}: config.json says tie_word_embeddings=true, but the checkpoint's "
+                             f"'lm_head.weight' differs from 'model.embed_tokens.weight' — set "
+                             f"tie_word_embeddings to false if the model has its own head, or re-export it")
+        local[:len(rows)].copy_(rows)
+        local[len(rows):].zero_()  # the vocab padding rows past vocab_size
+
+def save_pretrained(model, path, max_shard_bytes=5 * 2**30):
+    """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads. The
+    headers are written first, from the shapes, then the tensors one at a time: the writer holds one tensor. Under
+    FSDP2 every rank calls this and sends its own rows of each tensor to the writer, global rank 0."""
+    write = not dist.is_initialized() or dist.get_rank() == 0
+    V = model.config.vocab_size
+    state = model.state_dict()  # FSDP2: DTensors, each rank holding its own rows
+    shapes = {name: (V if name in ("embed_tokens.weight", "lm_head.weight") else t.shape[0], *t.shape[1:])
+              for name, t in state.items()}  # without our vocab padding
+    sizes = {name: math.prod(shapes[name]) * t.element_size() for name, t in state.items()}
+    shards, size = [[]], 0
+    for name, nbytes in sizes.items():
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    names = ["model.safetensors"] if len(shards) == 1 else [
+        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    if write:
+        os.makedirs(path, exist_ok=True)
+    for fname, shard in zip(names, shards):
+        f = open(os.path.join(path, fname), "wb") if write else None
+        if write:
+            _write_safetensors_header(f, [(_hf_key(n), shapes[n], state[n].dtype, sizes[n]) for n in shard])
+        for name in shard:
+            t = _gather_rows(state[name].detach(), write)
+            if write:
+                f.write(t[:shapes[name][0]].contiguous().cpu().view(-1).view(torch.uint8).numpy())  # no copy
+        if write:
+            f.close()
+    if not write:
+        return
+    written = ["config.json"] + names
+    if len(shards) > 1:
+        weight_map = {_hf_key(name): fname for fname, shard in zip(names, shards) for name in shard}
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
+        written.append("model.safetensors.index.json")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config_to_hf(model.config, model.embed_tokens.weight.dtype), f, indent=2)
+    for fname in os.listdir(path):  # a previous export's index or shards would be loaded instead of these
+        stale = fname in ("model.safetensors", "model.safetensors.index.json") or (
+            fname.startswith("model-") and "-of-" in fname and fname.endswith(".safetensors"))
+        if stale and fname not in written:
+            os.remove(os.path.join(path, fname))
+    # save_file creates 0600 files and open() keeps an older file's mode: give every file the mode a
+    # new file gets (0666 less the umask), so others sharing the export can read it
+    umask = os.umask(0)
+    os.umask(umask)
+    for fname in written:
+        os.chmod(os.path.join(path, fname), 0o666 & ~umask)

@@ -1,0 +1,225 @@
+"""
+The fast paths, each beside the reference it is tested against (tests/test_rope.py, tests/test_model.py):
+  rope_fused             Q and K rotated by one Triton launch (CUDA; the interpreter on CPU in tests);
+                         the eager reference is model.rope_reference
+  chunked_cross_entropy  the LM head + loss over chunks of tokens: the (T, vocab) logits never exist
+  chunked_logprobs       the same for per-token log-probs (DPO), the backward recomputing each chunk
+"""
+import os
+
+import torch
+
+HAS_TRITON = False
+if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    # only where the kernel can run (or its CPU interpreter test): importing triton costs seconds
+    try:
+        import triton
+        import triton.language as tl
+        HAS_TRITON = True
+    except ImportError:  # the eager RoPE is used instead
+        pass
+
+IGNORE_INDEX = -100
+
+# -----------------------------------------------------------------------------
+# RoPE: Q and K in one launch, reading the packed position ids
+
+if HAS_TRITON:
+    @triton.jit
+    def _rotate_tile(x_ptr, out_ptr, stride_t, stride_h, n_head, tok, cos, sin,
+                     H_PAD: tl.constexpr, HALF: tl.constexpr):
+        # tok: (BLOCK_T,) int64 token indices (-1 where past T); cos, sin: (BLOCK_T, 1, HALF) float32
+        h = tl.arange(0, H_PAD)[None, :, None]
+        d = tl.arange(0, HALF)[None, None, :]
+        mask = (tok[:, None, None] >= 0) & (h < n_head)  # (BLOCK_T, H_PAD, 1), broadcast over d
+        x1_ptrs = x_ptr + tok[:, None, None] * stride_t + h * stride_h + d  # last dim is contiguous
+        x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
+        o1_ptrs = out_ptr + tok[:, None, None] * (n_head * 2 * HALF) + h * (2 * HALF) + d  # out is contiguous
+        tl.store(o1_ptrs, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+        tl.store(o1_ptrs + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _rope_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, pos_ptr, T,
+                     q_stride_t, q_stride_h, k_stride_t, k_stride_h, n_q_head, n_kv_head,
+                     BLOCK_T: tl.constexpr, HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr,
+                     HALF: tl.constexpr, INVERSE: tl.constexpr):
+        # int64 token index: T * stride of a fused qkv buffer can pass 2**31 at long packed lengths
+        tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        tok = tl.where(tok < T, tok, -1)
+        pos = tl.load(pos_ptr + tok, mask=tok >= 0, other=0)  # (BLOCK_T,) packed positions restart at 0
+        d = tl.arange(0, HALF)[None, None, :]
+        cos = tl.load(cos_ptr + pos[:, None, None] * HALF + d)  # (BLOCK_T, 1, HALF), read once for q and k
+        sin = tl.load(sin_ptr + pos[:, None, None] * HALF + d)
+        if INVERSE:  # backward: the rotation is orthogonal, so its transpose is the rotation by -angle
+            sin = -sin
+        _rotate_tile(q_ptr, q_out_ptr, q_stride_t, q_stride_h, n_q_head, tok, cos, sin, HQ_PAD, HALF)
+        _rotate_tile(k_ptr, k_out_ptr, k_stride_t, k_stride_h, n_kv_head, tok, cos, sin, HKV_PAD, HALF)
+
+    # A custom op, so torch.compile(dynamic=True) keeps it inside a compiled block's graph with a symbolic T;
+    # custom_op rather than triton_op, whose kernel tracing cannot run under TRITON_INTERPRET=1 (the CPU test).
+    @torch.library.custom_op("nanopack::rope", mutates_args=())
+    def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 position_ids: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        T, n_q_head, D = q.shape
+        n_kv_head = k.shape[1]
+        # strides go to the kernel: q/k slices of a fused qkv projection are read in place
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        k = k if k.stride(-1) == 1 else k.contiguous()
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # outputs contiguous: (T, Hq, D)
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+        # One program = BLOCK_T tokens x all heads of q and k, so each (cos, sin) row is loaded once; ~2048
+        # elements per half-tile keeps registers low at num_warps=4 and gives T/BLOCK_T programs to fill the SMs.
+        hq_pad = triton.next_power_of_2(n_q_head)
+        block_t = max(1, 2048 // (hq_pad * (D // 2)))
+        grid = (triton.cdiv(T, block_t),)
+        _rope_kernel[grid](q, k, q_out, k_out, cos, sin, position_ids, T,
+                           q.stride(0), q.stride(1), k.stride(0), k.stride(1), n_q_head, n_kv_head,
+                           BLOCK_T=block_t, HQ_PAD=hq_pad, HKV_PAD=triton.next_power_of_2(n_kv_head),
+                           HALF=D // 2, INVERSE=inverse)
+        return q_out, k_out
+
+    @_rope_op.register_fake
+    def _(q, k, cos, sin, position_ids, inverse):
+        return q.new_empty(q.shape), k.new_empty(k.shape)  # contiguous, as the kernel writes them
+
+    def _rope_setup_context(ctx, inputs, output):
+        _, _, cos, sin, position_ids, _ = inputs
+        ctx.save_for_backward(cos, sin, position_ids)
+
+    def _rope_backward(ctx, grad_q, grad_k):
+        cos, sin, position_ids = ctx.saved_tensors
+        grad_q, grad_k = _rope_op(grad_q, grad_k, cos, sin, position_ids, True)
+        return grad_q, grad_k, None, None, None, None  # cos/sin are fixed buffers, positions are ints
+
+    _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
+
+
+def rope_fused(q, k, cos, sin, position_ids):
+    """model.rope_reference's contract, as one Triton launch for Q and K together (backward: one more)."""
+    if not HAS_TRITON:
+        raise RuntimeError("rope_fused needs triton (pip install triton); use rope_reference instead")
+    D = q.shape[-1]
+    if D < 16 or D & (D - 1) or k.shape[-1] != D or k.shape[0] != q.shape[0]:
+        raise ValueError(f"rope_fused needs q (T, Hq, D), k (T, Hkv, D) with D a power of two >= 16, "
+                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+    cos, sin = cos.float().contiguous(), sin.float().contiguous()  # no-ops for the model's tables
+    return _rope_op(q, k, cos, sin, position_ids.contiguous(), False)
+
+
+# -----------------------------------------------------------------------------
+# LM head + loss over chunks of tokens: peak memory O(chunk * vocab), never O(T * vocab)
+
+# A chunk holds two (chunk, vocab) float32 buffers: 2048 x 128k x 4 bytes = 1 GiB each, still a large matmul.
+LOSS_CHUNK = 2048
+
+
+def _compute_dtype(h):
+    return torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+
+
+def _chunk_logprobs(h, w, targets, vocab_size):
+    """h: (C, d), w: (Vp, d) -> float32 log-softmax over the real vocab (C, V) and the targets' log-probs (C,)."""
+    logits = (h @ w.t()).float()[:, :vocab_size]
+    logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # in place: one (C, V) buffer, not two
+    return logp, logp.gather(1, targets[:, None]).squeeze(1)
+
+
+def _chunk_grads(logp, h, w, targets, scale, dtype):
+    """Gradients of -sum_t scale_t * log p_t over one chunk (logp is consumed): d/dlogits = softmax - onehot.
+    -> (grad_h (C, d) in dtype, grad_w (V, d) float32)."""
+    g = logp.exp_()
+    g[torch.arange(len(targets), device=g.device), targets] -= 1.0
+    if scale is not None:
+        g *= scale[:, None]
+    g = g.to(dtype)
+    return g @ w[:g.shape[1]], (g.t() @ h).float()
+
+
+def _select(h, targets):
+    # positions without a target skip the head entirely (e.g. prompt tokens in SFT); nonzero syncs once
+    idx = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    return idx, h.index_select(0, idx), targets.index_select(0, idx)
+
+
+class ChunkedCrossEntropy(torch.autograd.Function):
+    """sum_t weight_t * CE(h_t @ W^T, target_t). The weights are known up front, so the gradients are computed
+    chunk by chunk in the forward (3 matmuls per chunk, not 4) and the backward only scales them."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, vocab_size, weights, need_grad):
+        dtype = _compute_dtype(h)
+        with torch.autocast(h.device.type, enabled=False):
+            idx, hs, ts = _select(h, targets)
+            hs, wc = hs.to(dtype), w.to(dtype)
+            ws = None if weights is None else weights.index_select(0, idx).float()
+            loss = torch.zeros((), device=h.device, dtype=torch.float32)
+            if need_grad:
+                grad_hs = torch.empty_like(hs)
+                grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+            for s in range(0, hs.shape[0], LOSS_CHUNK):
+                hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
+                logp, tgt = _chunk_logprobs(hc, wc, tc, vocab_size)
+                wt = None if ws is None else ws[s:s + LOSS_CHUNK]
+                loss -= tgt.sum() if wt is None else (tgt * wt).sum()
+                if need_grad:
+                    grad_hs[s:s + LOSS_CHUNK], gw = _chunk_grads(logp, hc, wc, tc, wt, dtype)
+                    grad_w[:vocab_size] += gw
+        if need_grad:
+            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
+            ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        grad_h, grad_w = ctx.saved_tensors
+        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
+
+
+class ChunkedLogprobs(torch.autograd.Function):
+    """Per-token log p(target_t) for a loss not known in advance (DPO): the backward recomputes each chunk's
+    logits instead of keeping them (4 matmuls per chunk, memory O(chunk * vocab))."""
+
+    @staticmethod
+    def forward(ctx, h, w, targets, vocab_size):
+        dtype = _compute_dtype(h)
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            idx, hs, ts = _select(h, targets)
+            hs, wc = hs.to(dtype), w.to(dtype)
+            out = torch.zeros(h.shape[0], device=h.device, dtype=torch.float32)
+            for s in range(0, hs.shape[0], LOSS_CHUNK):
+                out[idx[s:s + LOSS_CHUNK]] = _chunk_logprobs(hs[s:s + LOSS_CHUNK], wc, ts[s:s + LOSS_CHUNK],
+                                                             vocab_size)[1]
+        ctx.save_for_backward(h, w, targets)
+        ctx.vocab_size, ctx.dtype = vocab_size, dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        h, w, targets = ctx.saved_tensors
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            idx, hs, ts = _select(h, targets)
+            hs, wc = hs.to(ctx.dtype), w.to(ctx.dtype)
+            grad_hs = torch.empty_like(hs)
+            grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+            scales = -grad_out.index_select(0, idx).float()  # d log p = -d(-log p)
+            for s in range(0, hs.shape[0], LOSS_CHUNK):
+                hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
+                logp, _ = _chunk_logprobs(hc, wc, tc, ctx.vocab_size)
+                grad_hs[s:s + LOSS_CHUNK], gw = _chunk_grads(logp, hc, wc, tc, scales[s:s + LOSS_CHUNK], ctx.dtype)
+                grad_w[:ctx.vocab_size] += gw
+            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
+        return grad_h, grad_w.to(w.dtype), None, None
+
+
+def chunked_cross_entropy(h, w, targets, vocab_size, weights=None):
+    """h: (T, d), w: (Vp, d), targets: (T,) with -100 ignored -> (summed CE float32 scalar, n_targets tensor)."""
+    n = (targets != IGNORE_INDEX).sum()
+    # forward() runs with grad mode off, so whether gradients are wanted (not in evaluation) is decided here
+    need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
+    return ChunkedCrossEntropy.apply(h, w, targets, vocab_size, weights, need_grad), n
+
+
+def chunked_logprobs(h, w, targets, vocab_size):
+    """h: (T, d), w: (Vp, d), targets: (T,) -> (T,) float32 log p(target), 0 where the target is -100."""
+    return ChunkedLogprobs.apply(h, w, targets, vocab_size)

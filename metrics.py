@@ -1,0 +1,134 @@
+"""
+Honest numbers for the log: metrics.jsonl (and wandb), tokens/s, MFU and padding counted from the real tokens and
+sequence lengths of each micro-batch, peak memory, time.
+"""
+import json
+import os
+import resource
+import time
+
+import numpy as np
+import torch
+from torch._dynamo.utils import counters
+
+from parallel import all_reduce_sum, is_master
+
+# dense bf16 tensor-core peak, FLOP/s, from the vendors' datasheets; an unknown device gets no MFU at all
+PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
+                   ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12)]
+
+
+def peak_flops(device):
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS if key in name), None)
+
+
+class MetricsLogger:
+    """One JSON object per line in out_dir/metrics.jsonl, and the same to wandb when asked (rank 0 only)."""
+
+    def __init__(self, out_dir, wandb_log=False, wandb_project="nanopack", run_name=None, config=None, resume_iter=None):
+        """resume_iter: the checkpoint's step when resuming: the log is kept up to it (rows a killed run wrote past
+        its last checkpoint are dropped, so no step appears twice) and appended to; None: a fresh log."""
+        self.active = is_master()
+        self.path = os.path.join(out_dir, "metrics.jsonl")
+        self.wandb = None
+        if self.active:
+            os.makedirs(out_dir, exist_ok=True)
+            kept = []
+            if resume_iter is not None and os.path.exists(self.path):
+                with open(self.path) as f:
+                    kept = [line for line in f if line.strip() and json.loads(line).get("iter", 0) <= resume_iter]
+            with open(self.path + ".tmp", "w") as f:
+                f.writelines(kept)
+            os.replace(self.path + ".tmp", self.path)
+            if wandb_log:
+                try:
+                    import wandb  # optional, so imported only when asked for; WANDB_MODE=offline needs no network
+                    self.wandb = wandb.init(project=wandb_project, name=run_name, config=config)
+                except Exception as e:  # not installed, not logged in, no network: one line, before any training
+                    raise SystemExit(f"wandb_log=True, but wandb cannot start ({type(e).__name__}: {e}); "
+                                     f"`pip install wandb` and `wandb login`, or WANDB_MODE=offline") from None
+
+    def log(self, metrics):
+        if not self.active:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=metrics.get("iter"))
+
+    def finish(self):
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class Throughput:
+    """What a log window did, for honest speed figures: real tokens (padding excluded), padding, positions,
+    FLOPs from the actual sequence lengths, time spent waiting for data. Counted on the host; summed over
+    ranks in one collective by read(), which also carries the script's own sums along."""
+
+    def __init__(self, model, device, world_size, flops_factor=1.0):
+        self.model, self.device, self.world_size = model, device, world_size
+        self.flops_factor = flops_factor  # e.g. 4/3 when a live reference model adds a forward pass
+        self.peak = peak_flops(device)
+        self.reset()
+
+    def reset(self):
+        self.tokens = self.padding = self.positions = self.flops = self.data_time = 0.0
+
+    def count(self, microbatches, data_time):
+        for mb in microbatches:
+            if mb.num_tokens:
+                seq_lens = np.diff(mb.cu_seqlens.numpy())[: mb.num_sequences]  # not the padding tail
+                flops = self.model.flops_per_token(seq_lens, mb.num_target_tokens, mb.key_lengths())
+                self.flops += self.flops_factor * flops * mb.num_tokens
+            self.tokens += mb.num_tokens
+            self.padding += mb.num_padding
+            self.positions += mb.input_ids.numel()
+        self.data_time += data_time
+
+    def read(self, elapsed, n_steps, extra=()):
+        """-> (metrics, the extra values summed over ranks); starts a new window."""
+        *extra, tokens, padding, positions, flops, data_time = all_reduce_sum(
+            list(extra) + [self.tokens, self.padding, self.positions, self.flops, self.data_time], self.device)
+        self.reset()
+        metrics = dict(
+            tokens=tokens / n_steps, tokens_per_sec=tokens / elapsed, tokens_per_sec_per_gpu=tokens / elapsed / self.world_size,
+            mfu=flops / elapsed / (self.peak * self.world_size) if self.peak else None,
+            padding_fraction=padding / max(positions, 1),
+            peak_mem_gb=(torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
+                         else peak_rss_bytes()) / 2**30,
+            data_time_frac=data_time / self.world_size / elapsed, time_ms=1000 * elapsed / n_steps,
+            compiled_graphs=counters["stats"]["unique_graphs"])  # recompiles show here: bounded, not one per step
+        return metrics, extra
+
+    @staticmethod
+    def line(m):
+        mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "-"
+        graphs = f" | {m['compiled_graphs']} graphs" if m["compiled_graphs"] else ""
+        return (f"{m['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | mfu {mfu} | pad {100 * m['padding_fraction']:.1f}% | "
+                f"{m['time_ms']:.0f} ms/it{graphs}")
+
+
+class Timer:
+    def __init__(self, device):
+        self.device = device
+        self.t0 = time.perf_counter()
+
+    def lap(self):
+        """Seconds since the last lap, with the GPU's queued work finished first."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        t, self.t0 = time.perf_counter() - self.t0, time.perf_counter()
+        return t
+
+
+def peak_rss_bytes():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def format_eta(seconds):
+    seconds = int(seconds)
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"

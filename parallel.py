@@ -1,0 +1,91 @@
+"""
+Processes and devices: torchrun's ranks (or one plain process), printing once, summing metrics over ranks,
+the DDP / FSDP2 wrap, gradient sync on a step's last micro-batch only, and the precision a run computes in.
+"""
+import datetime
+import os
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+
+def setup_distributed(device="auto", timeout_s=300):
+    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python script.py` is rank 0 of 1.
+    Returns (rank, world_size, device). CUDA uses NCCL, CPU uses gloo (so tests run without a GPU).
+    A collective that waits longer than timeout_s (a stalled or dead rank) fails instead of hanging."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        device = f"cuda:{local_rank}"
+        torch.cuda.set_device(device)
+    if world_size > 1:
+        dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return rank, world_size, torch.device(device)
+
+
+def teardown_distributed():
+    if dist.is_initialized():
+        dist.barrier()  # no rank tears down while another still talks to it (seen: an abort at exit under gloo)
+        dist.destroy_process_group()
+
+
+def is_master():
+    """Rank 0, or a plain process; readable before the process group exists (from torchrun's environment)."""
+    return int(os.environ.get("RANK", 0)) == 0
+
+
+def print0(*args, **kwargs):
+    if is_master():
+        print(*args, **kwargs, flush=True)
+
+
+def all_reduce_sum(values, device):
+    """Sum a list of floats over all ranks (one collective). Metrics are sums and counts reduced this way,
+    divided afterwards, so an average over ranks with different token counts is still exact."""
+    t = torch.tensor(values, dtype=torch.float64, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t)
+    return t.tolist()
+
+
+def wrap_model(model, parallel, world_size, param_dtype):
+    """DDP, or FSDP2 `fully_shard` per block then on the root (torchtitan's layout); parallel None: as it is.
+    FSDP2 keeps float32 sharded master weights and computes in param_dtype; gradients are reduced in float32."""
+    if world_size == 1 or parallel is None:
+        return model
+    if parallel == "ddp":
+        return DDP(model, device_ids=[model.embed_tokens.weight.device.index] if model.embed_tokens.weight.is_cuda else None)
+    if parallel == "fsdp":
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+        for block in model.layers:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+    raise ValueError(f"parallel={parallel!r}: choose 'ddp' or 'fsdp'")
+
+
+def sync_gradients(model, enabled):
+    """A context for one micro-batch's backward: gradients are reduced across ranks only when enabled (the step's
+    last micro-batch). FSDP2 takes it as a setting, DDP as its no_sync() context."""
+    if hasattr(model, "set_requires_gradient_sync"):
+        model.set_requires_gradient_sync(enabled)
+        return nullcontext()
+    return model.no_sync() if hasattr(model, "no_sync") and not enabled else nullcontext()
+
+
+def precision(device, dtype, parallel, world_size):
+    """-> (dtype name, torch dtype, autocast context). 'auto' is bfloat16 on CUDA, float32 elsewhere.
+    DDP / one process: float32 master weights and bf16 autocast; FSDP2 casts through its mixed-precision
+    policy instead (see wrap_model), so no autocast there."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" else "float32"
+    ptdtype = getattr(torch, dtype)
+    fsdp = parallel == "fsdp" and world_size > 1
+    return dtype, ptdtype, (torch.autocast(device.type, dtype=ptdtype) if ptdtype != torch.float32 and not fsdp
+                            else nullcontext())

@@ -1,0 +1,65 @@
+"""The shape of the code: each core file (top-level *.py and data/*.py) one concern, at most 500 lines, no line over
+120 characters, and imports only from a lower floor (so no import cycle; a file never reaches up to the scripts)."""
+import ast
+import glob
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLOORS = [  # lowest first: a module may import only from floors below its own
+    ("kernels", "packing", "tokenizer", "chat_template", "parallel"),
+    ("model",),
+    ("hf", "generate", "data.prepare"),
+    ("data.arithmetic", "configurator", "metrics", "lora"),
+    ("checkpoint",),
+    ("common",),
+    ("dpo",),
+    ("train_sft", "train_dpo", "sample", "plot"),
+]
+FLOOR = {name: i for i, names in enumerate(FLOORS) for name in names}
+
+
+def core_files():
+    files = sorted(glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "data", "*.py")))
+    return {os.path.relpath(f, ROOT)[:-3].replace(os.sep, "."): f for f in files if not f.endswith("__init__.py")}
+
+
+def project_imports(path, modules):
+    """The project modules a file imports, at the top or inside a function."""
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        else:
+            continue
+        found |= {n for n in names if n in modules}
+    return found
+
+
+def test_every_core_module_has_a_floor():
+    missing = sorted(set(core_files()) - set(FLOOR))
+    assert not missing, f"add {missing} to FLOORS in tests/test_layout.py"
+
+
+@pytest.mark.parametrize("module", sorted(core_files()))
+def test_imports_go_only_down(module):
+    path = core_files()[module]
+    up = sorted(m for m in project_imports(path, set(core_files())) if FLOOR[m] >= FLOOR[module])
+    assert not up, f"{module} (floor {FLOOR[module]}) imports {up} from its own floor or above"
+
+
+@pytest.mark.parametrize("module", sorted(core_files()))
+def test_file_size_and_line_length(module):
+    lines = open(core_files()[module]).read().split("\n")
+    assert len(lines) <= 501, f"{module}: {len(lines)} lines, over 500: split it by concern"
+    long = [i + 1 for i, line in enumerate(lines) if len(line) > 120]
+    assert not long, f"{module}: lines {long[:5]} are over 120 characters"
+
+
+def test_the_checker_sees_an_upward_import(tmp_path):
+    bad = tmp_path / "model.py"
+    bad.write_text("import torch\nfrom common import setup\n\ndef f():\n    import train_sft\n")
+    assert project_imports(str(bad), set(core_files())) == {"common", "train_sft"}
