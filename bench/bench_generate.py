@@ -1,5 +1,5 @@
 """
-Generation speed on the CPU: sample.generate with the KV cache, without it (every step re-reads every
+Generation speed on the CPU: generate.generate with the KV cache, without it (every step re-reads every
 sequence), and transformers' generate (DynamicCache, SDPA), greedy, on the same random weights saved as a
 Hugging Face folder. Prompts of ~50 tokens, batch 1 and 8 (transformers pads the batch on the left; we pack).
 
@@ -24,8 +24,9 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from generate import generate  # noqa: E402
+from hf import save_pretrained  # noqa: E402
 from model import Transformer, config_from_preset  # noqa: E402
-from sample import generate  # noqa: E402
 
 
 def hf_generate(model, prompts, new_tokens):
@@ -52,7 +53,7 @@ def main():
     torch.manual_seed(0)
     ours = Transformer(config_from_preset(args.preset)).eval()
     with tempfile.TemporaryDirectory() as folder:  # the same weights, loaded by transformers
-        ours.save_pretrained(folder)
+        save_pretrained(ours, folder)
         ref = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").float().eval()
     V = ours.config.vocab_size
     print(f"{args.preset} (random weights, {ours.num_params() / 1e6:.1f}M parameters), float32, "

@@ -50,6 +50,7 @@ def main():
     args = p.parse_args()
 
     import torch
+    import kernels
     import model as M
 
     cuda = torch.cuda.is_available()
@@ -64,7 +65,7 @@ def main():
     # 1. RoPE
     cfg = M.config_from_preset("llama-3.2-1b", max_seq_len=max(Ts))
     cos, sin = M.rope_tables(cfg, torch.device(device))
-    fused_ok = M.HAS_TRITON and (cuda or os.environ.get("TRITON_INTERPRET") == "1")
+    fused_ok = kernels.HAS_TRITON and (cuda or os.environ.get("TRITON_INTERPRET") == "1")
     print("\n| RoPE: T | layout | eager µs | fused µs | speed-up | max abs diff |")
     print("|---|---|---|---|---|---|")
     for T in Ts:
@@ -75,9 +76,9 @@ def main():
             k = torch.randn(T, cfg.n_kv_head, cfg.head_dim, device=device, dtype=dtype)
             eager = timed(lambda: M.rope_reference(q, k, cos, sin, pos), iters, cuda)
             if fused_ok:
-                fused = timed(lambda: M.rope_fused(q, k, cos, sin, pos), iters, cuda)
+                fused = timed(lambda: kernels.rope_fused(q, k, cos, sin, pos), iters, cuda)
                 diff = max((a.float() - b.float()).abs().max().item() for a, b in
-                           zip(M.rope_fused(q, k, cos, sin, pos), M.rope_reference(q, k, cos, sin, pos)))
+                           zip(kernels.rope_fused(q, k, cos, sin, pos), M.rope_reference(q, k, cos, sin, pos)))
                 cells = f"{1e6 * fused:.0f} | {eager / fused:.1f}x | {diff:.1e}"
             else:
                 cells = "- | - | - (Triton runs on CUDA, or on CPU under TRITON_INTERPRET=1)"

@@ -1,6 +1,6 @@
 """
 LM head + cross-entropy, forward and backward: full logits (what F.linear + F.cross_entropy does) against
-model.py's chunked loss, which never holds more than LOSS_CHUNK x vocab logits.
+kernels.py's chunked loss, which never holds more than LOSS_CHUNK x vocab logits.
 
     python bench/bench_lm_head.py                          # T=16384, d=2048, V=128256 (Llama-3 vocab)
     python bench/bench_lm_head.py --T 512 --d 64 --V 1000  # seconds; what the smoke test runs
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def run_one(method, T, d, V, device, dtype, iters):
     import torch
     import torch.nn.functional as F
-    import model as M
+    import kernels
 
     dt = getattr(torch, dtype)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss is KiB on Linux)
@@ -40,7 +40,7 @@ def run_one(method, T, d, V, device, dtype, iters):
             logits = F.linear(h, w).float()  # (T, V): what a plain LM head + cross_entropy materialises
             loss = F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum")
         else:
-            loss, _ = M.chunked_cross_entropy(h, w, targets, V)
+            loss, _ = kernels.chunked_cross_entropy(h, w, targets, V)
         loss.backward()
         h.grad = w.grad = None
         return loss.detach()

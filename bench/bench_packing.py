@@ -10,12 +10,14 @@ Columns (real = tokens of actual examples):
                  packs a dataset, ignoring steps)
   fill/step      the same when each step of 64 examples is packed on its own, as PackedLoader does
                  on one GPU: the honest figure for training. It is the share of real tokens if
-                 micro-batches are padded to the budget (pad_to, static shapes for torch.compile)
-  pad computed   padding positions the GPU computes without pad_to: 0 for packers (varlen
+                 micro-batches are padded to the budget (static shapes for torch.compile, as
+                 bench_train.py's packed+compile-static row does)
+  pad computed   padding positions the GPU computes unless padded to the budget: 0 for packers (varlen
                  attention over real tokens only); for "pad to longest", k sequences per
                  micro-batch are padded to the longest of them (T may then exceed the budget)
   mb/step        micro-batches (forward+backward passes) per step of 64 examples
 """
+import argparse
 import os
 import sys
 import time
@@ -106,6 +108,9 @@ def trl_rows(lengths, budget):
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--small", action="store_true", help="a quick smoke run")
+    p.parse_args()  # SMALL above reads it
     try:
         import trl  # noqa: F401
         have_trl = True

@@ -6,9 +6,9 @@ sizes 1, 2, 4 (each a fresh torchrun), two ways side by side:
            frees what is not its own; export gathers the full state dict on rank 0 (get_model_state_dict), then writes;
            a checkpoint is the full model + AdamW state gathered to rank 0 (one file) and read whole by every rank
   sharded  what they do now: the model is built on the meta device, sharded, and each rank reads only its own rows of
-           each tensor from the memory-mapped files (model.load_hf_weights); export gathers one tensor at a time and
-           rank 0 writes one shard file's worth at a time (model.save_pretrained(write=rank == 0)); a checkpoint is
-           a DCP folder each rank writes and reads its own part of (common.save_checkpoint / restore_checkpoint)
+           each tensor from the memory-mapped files (hf.load_hf_weights); export gathers one tensor at a time and
+           rank 0 writes one shard file's worth at a time (hf.save_pretrained, called by every rank); a checkpoint
+           is a DCP folder each rank writes and reads its own part of (checkpoint.save_checkpoint / restore_checkpoint)
 
 Peak memory is each process's private memory (RssAnon in /proc/self/status, sampled every 5 ms) above what it held
 before the phase, the largest over the ranks; resident pages of the memory-mapped files (page cache the kernel can
@@ -78,15 +78,17 @@ def child(method, folder, export, load_whole_checkpoint=True):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                          get_state_dict, set_model_state_dict, set_optimizer_state_dict)
-    from common import restore_checkpoint, rng_state, wrap_model
+    from checkpoint import restore_checkpoint, rng_state
+    from hf import from_pretrained, load_hf_weights, read_hf_config, save_pretrained
+    from model import Transformer
+    from parallel import wrap_model
     full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    from model import Transformer, read_hf_config
 
     dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     with PeakRSS() as load:
         if method == "whole":
-            model = Transformer.from_pretrained(folder, dtype=torch.float32)
+            model = from_pretrained(folder, dtype=torch.float32)
             if world_size > 1:
                 wrap_model(model, "fsdp", world_size, torch.float32)
         else:
@@ -95,7 +97,7 @@ def child(method, folder, export, load_whole_checkpoint=True):
             if world_size > 1:
                 wrap_model(model, "fsdp", world_size, torch.float32)
             model.to_empty(device="cpu")
-            model.load_hf_weights(folder)
+            load_hf_weights(model, folder)
     held = PeakRSS.rss()[0]
     dist.barrier()
     with PeakRSS() as save:
@@ -105,10 +107,10 @@ def child(method, folder, export, load_whole_checkpoint=True):
                 with torch.device("meta"):
                     out = Transformer(model.config)
                 out.load_state_dict(full, assign=True)
-                out.save_pretrained(export)
+                save_pretrained(out, export)  # plain tensors: no collective, rank 0 alone writes
             del full
         else:
-            model.save_pretrained(export, write=rank == 0)
+            save_pretrained(model, export)  # every rank sends its rows, rank 0 writes
         dist.barrier()
     # checkpoints with AdamW state (two float32 moments per parameter, sharded like the parameters)
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.0)
@@ -123,7 +125,7 @@ def child(method, folder, export, load_whole_checkpoint=True):
             if rank == 0:
                 torch.save(state, ckpt + ".pt")
             del state
-        else:  # now: DCP, each rank writing its own shards (common.save_checkpoint)
+        else:  # now: DCP, each rank writing its own shards (checkpoint.save_checkpoint)
             model_sd, optim_sd = get_state_dict(model, optimizer)
             dcp.save(dict(model=model_sd, optimizer=optim_sd), checkpoint_id=ckpt)
             del model_sd, optim_sd
@@ -157,13 +159,14 @@ def main():
         return child(*args.child[:3], load_whole_checkpoint=args.child[3] == "1")
 
     import torch
+    from hf import save_pretrained
     from model import Transformer, config_from_preset
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "hf")
         torch.manual_seed(0)
         model = Transformer(config_from_preset(args.preset))
         n_params = model.num_params()
-        model.to(torch.bfloat16).save_pretrained(folder)
+        save_pretrained(model.to(torch.bfloat16), folder)
         model.float()
         full = sum(p.numel() * p.element_size() for p in model.parameters())
         largest = max(p.numel() * p.element_size() for p in model.parameters())

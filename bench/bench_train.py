@@ -39,6 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -163,13 +164,19 @@ def steps_of(data, mode, batch_size, budget, n_steps, packed, seed=0, prefix=Non
     return steps
 
 
+def sequences(mb, dpo):
+    """The data's sequences in a micro-batch, in order: its units (SFT), or pair u's 2u, 2u+1 (DPO)."""
+    u = mb.units.cpu().numpy()
+    return np.stack([2 * u, 2 * u + 1], 1).reshape(-1) if dpo else u
+
+
 def padded_batch(data, units, dpo):
     """A PackedBatch whose sequences are each padded to the longest: n x L positions, the padding after each
     sequence's real tokens inside its own segment (causal, so it never changes a real token's result)."""
     import torch
     from packing import IGNORE_INDEX, PackedBatch, make_batch
     mb = make_batch(data, units, dpo=dpo)
-    flat = make_batch(data, mb.example_indices.numpy())  # the same sequences, one target slot per position
+    flat = make_batch(data, sequences(mb, dpo))  # the same sequences, one target slot per position
     lens = np.diff(flat.cu_seqlens.numpy())
     n, L = len(lens), int(lens.max())
     idx = (np.arange(n)[:, None] * L + np.arange(L)[None, :])[np.arange(L)[None, :] < lens[:, None]]
@@ -177,9 +184,30 @@ def padded_batch(data, units, dpo):
     return PackedBatch(
         input_ids=grid(0, flat.input_ids), targets=grid(IGNORE_INDEX, flat.targets), target_rows=None,
         position_ids=torch.arange(L).repeat(n), seq_ids=torch.arange(n).repeat_interleave(L),
-        cu_seqlens=torch.arange(0, n * L + 1, L, dtype=torch.int32), max_seqlen=L, kv=None,
-        example_indices=mb.example_indices, pair_indices=mb.pair_indices, num_sequences=n, num_pairs=mb.num_pairs,
-        num_tokens=mb.num_tokens, num_target_tokens=mb.num_target_tokens, num_padding=n * L - mb.num_tokens)
+        cu_seqlens=torch.arange(0, n * L + 1, L, dtype=torch.int32), max_seqlen=L, kv=None, units=mb.units,
+        num_sequences=n, num_pairs=mb.num_pairs, num_tokens=mb.num_tokens, num_target_tokens=mb.num_target_tokens,
+        num_padding=n * L - mb.num_tokens)
+
+
+def pad_batch(mb, T, segment=128):
+    """mb padded to exactly T positions (one static shape for torch.compile; the core never pads): a tail of dummy
+    segments of at most `segment` tokens, each its own cu_seqlens entry with positions 0.., so attention never mixes
+    them with real tokens and no position passes the model's range; the tail has no targets."""
+    import torch
+    from packing import IGNORE_INDEX
+    n_pad = T - len(mb.input_ids)
+    assert n_pad >= 0 and mb.kv is None, f"{len(mb.input_ids)} tokens, or a shared prefix, cannot be padded to {T}"
+    if n_pad == 0:
+        return mb
+    tail = [min(segment, n_pad - s) for s in range(0, n_pad, segment)]
+    grow = lambda t, fill: torch.cat([t, torch.full((n_pad,), fill, dtype=t.dtype)])
+    per_position = mb.target_rows is None  # SFT: targets and seq_ids per position; DPO's are per target, unchanged
+    return replace(
+        mb, input_ids=grow(mb.input_ids, 0), position_ids=torch.cat([mb.position_ids, *map(torch.arange, tail)]),
+        targets=grow(mb.targets, IGNORE_INDEX) if per_position else mb.targets,
+        seq_ids=grow(mb.seq_ids, mb.num_sequences) if per_position else mb.seq_ids,
+        cu_seqlens=torch.cat([mb.cu_seqlens, mb.cu_seqlens[-1] + torch.tensor(tail).cumsum(0).int()]),
+        max_seqlen=max(mb.max_seqlen, tail[0]), num_padding=mb.num_padding + n_pad)
 
 
 # -----------------------------------------------------------------------------
@@ -199,9 +227,9 @@ def rss_gib():
 def result(tokens, positions, flops, elapsed, loss, rss0):
     """The row of one configuration: real tokens/s, MFU (CUDA), peak memory (CUDA allocated / CPU RSS growth)."""
     import torch
-    import common
+    import metrics
     cuda = torch.cuda.is_available()
-    peak_flops = common.peak_flops(torch.device("cuda" if cuda else "cpu"))
+    peak_flops = metrics.peak_flops(torch.device("cuda" if cuda else "cpu"))
     from torch._dynamo.utils import counters
     return dict(tokens_per_sec=tokens / elapsed, mfu=flops / elapsed / peak_flops if peak_flops else None, elapsed=elapsed, flops=flops,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else rss_gib() - rss0,
@@ -213,6 +241,7 @@ def run_config(name, args):
     import torch
     import torch.nn.functional as F
     from model import Transformer
+    from hf import save_pretrained
     import common
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -232,7 +261,7 @@ def run_config(name, args):
     if name == "hf":  # the same weights, through a Hugging Face checkpoint
         from transformers import AutoModelForCausalLM
         with tempfile.TemporaryDirectory() as tmp:
-            net.save_pretrained(tmp)
+            save_pretrained(net, tmp)
             del net
             net = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa")
     net.to(device).train()
@@ -250,10 +279,10 @@ def run_config(name, args):
         from packing import make_batch
         out = []
         for units in step:
-            mb = (padded_batch(data, units, dpo) if name in ("padded", "hf") else
-                  make_batch(data, units, pad_to=args.microbatch_tokens if name.endswith("static") else None, dpo=dpo,
-                             prefix=prefix))
-            lens = np.diff(data["offsets"])[mb.example_indices.numpy()]
+            mb = padded_batch(data, units, dpo) if name in ("padded", "hf") else make_batch(data, units, dpo, prefix)
+            if name.endswith("static"):
+                mb = pad_batch(mb, args.microbatch_tokens)
+            lens = np.diff(data["offsets"])[sequences(mb, dpo)]
             out.append((mb.to(device), lens))
         return out
 
@@ -277,7 +306,7 @@ def run_config(name, args):
         if not dpo:
             return out / normaliser
         pc, pr = mb.pair_sums(out)
-        rc, rr = ref[mb.pair_indices, 0], ref[mb.pair_indices, 1]
+        rc, rr = ref[mb.units, 0], ref[mb.units, 1]
         return -F.logsigmoid(0.1 * ((pc - rc) - (pr - rr))).sum() / normaliser
 
     all_steps = [batches(step) for step in steps]
@@ -289,7 +318,7 @@ def run_config(name, args):
                 for mb, lens in mbs:
                     with autocast:
                         pc, pr = mb.pair_sums(forward(mb, lens))
-                    ref[mb.pair_indices] = torch.stack([pc, pr], 1).float()
+                    ref[mb.units] = torch.stack([pc, pr], 1).float()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -378,6 +407,7 @@ def run_trl(name, args):
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, TrainerCallback
+    from hf import save_pretrained
     from model import Transformer
 
     cuda = torch.cuda.is_available()
@@ -410,7 +440,7 @@ def run_trl(name, args):
     torch.manual_seed(0)
     cfg = model_config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        Transformer(cfg).save_pretrained(tmp)  # the same initial weights as every other row
+        save_pretrained(Transformer(cfg), tmp)  # the same initial weights as every other row
         net = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa")
     with torch.device("meta"):
         flops_model = Transformer(cfg)

@@ -5,6 +5,7 @@ not speed; run it in two checkouts to compare layouts.
 
     python bench/hops.py
 """
+import argparse
 import json
 import os
 import sys
@@ -34,6 +35,7 @@ def pipeline(folder):
 
 
 if __name__ == "__main__":
+    argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter).parse_args()
     torch.manual_seed(0)
     model = Transformer(config_from_preset("tiny", vocab_size=261))
     seen, depth = Counter(), [0, 0]  # (file, function) -> calls; current and deepest chain of project calls
