@@ -5,6 +5,7 @@ sharded tensors (model + optimizer), each rank writing its own, plus a small out
 complete checkpoint, and any world size and layout (1 process, DDP, FSDP2) resumes it (DCP reshards on load).
 At the end of a run the weights are exported as a Hugging Face folder, out_dir/hf.
 """
+import hashlib
 import json
 import math
 import os
@@ -17,15 +18,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_state_dict, set_model_state_dict,
-                                                     set_optimizer_state_dict)
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
+import lora
 from hf import save_pretrained
 from model import ModelConfig, Transformer
 from parallel import print0
 
 # DCP in one process (no process group) warns at every save and load that it assumes one process: we mean it
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # LoRA: the adapters, not the frozen base
 
 
 def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None):
@@ -46,14 +49,15 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
         name = [f"ckpt-{iter_num:06d}-{n}"]
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
-    model_sd, optim_sd = get_state_dict(run.model, run.optimizer)  # sharded under FSDP2: each rank its own
+    model_sd, optim_sd = get_state_dict(run.model, run.optimizer, options=TRAINED)  # FSDP2: each rank its own
     dcp.save(dict(model=model_sd, optimizer=optim_sd), checkpoint_id=os.path.join(run.out_dir, name[0]),
              no_dist=not dist.is_initialized())
     if run.master:
         tmp = run.ckpt_path + ".tmp"
         torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
                         iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
-                        data_dir=portable(run.data_dir, run.out_dir), start=run.start, extra=extra), tmp)
+                        data_dir=portable(run.data_dir, run.out_dir), start=run.start, extra=extra,
+                        base=base_fingerprint(run.start["init_from"])), tmp)
         os.replace(tmp, run.ckpt_path)
         for old in os.listdir(run.out_dir):  # earlier checkpoints, and any a kill left half written
             if old.startswith("ckpt-") and old != name[0]:
@@ -67,17 +71,19 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
     """Load the checkpoint's weights (and optimizer state and RNG) from its DCP folder into a placed model,
     whatever its world size and layout: each rank reads the pieces its own parameters need."""
     if optimizer is None:
-        state = dict(model=get_model_state_dict(model))
+        state = dict(model=get_model_state_dict(model, options=TRAINED))
     else:
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
         state = dict(model=model_sd, optimizer=optim_sd)
     path = os.path.join(folder, ckpt["weights"])
     if not os.path.isdir(path):
         raise SystemExit(f"{path} is missing: ckpt.pt names it as holding the weights; the run folder is incomplete")
     dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
-    set_model_state_dict(model, state["model"])
+    missing = set(set_model_state_dict(model, state["model"], options=TRAINED).missing_keys)
+    frozen = {n.removeprefix("module.") for n, p in model.named_parameters() if not p.requires_grad}
+    assert missing <= frozen, f"{path} lacks {sorted(missing - frozen)[:3]}"
     if optimizer is not None:
-        set_optimizer_state_dict(model, optimizer, state["optimizer"])
+        set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINED)
         set_rng_state(ckpt["rng"])
 
 
@@ -89,6 +95,9 @@ def load_checkpoint(path):
 def checkpoint_model(ckpt_path, device="cpu"):
     """(Transformer with the checkpoint's weights, the checkpoint's small part): for sample.py and tests."""
     ckpt = load_checkpoint(ckpt_path)
+    if ckpt["config"].get("lora_rank"):
+        raise SystemExit(f"{ckpt_path} holds LoRA adapters only, not a whole model: use the run's merged export "
+                         f"{os.path.join(os.path.dirname(ckpt_path), 'hf')} (or resume the run to finish it)")
     with torch.device("meta"):
         model = Transformer(ModelConfig(**ckpt["model_config"]))
     model.to_empty(device=device)
@@ -96,9 +105,26 @@ def checkpoint_model(ckpt_path, device="cpu"):
     return model, ckpt
 
 
-def all_finite(model):
-    """Whether every parameter is finite, on every rank (each checks its own shards under FSDP2)."""
-    local = [p.to_local() if hasattr(p, "to_local") else p for p in model.parameters()]
+def base_fingerprint(init_from):
+    """What identifies the weights in a model folder without reading them: config.json and each safetensors file's
+    size and header (names, shapes, offsets). None for a preset (its seed cannot change on resume)."""
+    if init_from == "scratch":
+        return None
+    h = hashlib.sha256()
+    for name in sorted(os.listdir(init_from)):
+        path = os.path.join(init_from, name)
+        if name == "config.json" or name.endswith(".safetensors"):
+            with open(path, "rb") as f:
+                head = f.read(8)
+                h.update(name.encode() + head + str(os.path.getsize(path)).encode())
+                h.update(f.read(int.from_bytes(head, "little")) if name.endswith(".safetensors") else f.read())
+    return h.hexdigest()[:16]
+
+
+def all_finite(model, frozen_too=False):
+    """Whether every trained parameter (frozen_too: every one) is finite, on every rank (FSDP2: each its shards)."""
+    params = [p for p in model.parameters() if p.requires_grad or frozen_too]
+    local = [p.to_local() if hasattr(p, "to_local") else p for p in params]
     ok = torch.stack([torch.isfinite(p).all() for p in local]).all().float()
     if dist.is_initialized():
         dist.all_reduce(ok, op=dist.ReduceOp.MIN)
@@ -139,7 +165,12 @@ def export_hf(run):
     if not all_finite(run.model):
         raise SystemExit(f"the weights are not all finite: no Hugging Face folder written; {run.ckpt_path} holds the "
                          f"last finite checkpoint")
-    save_pretrained(run.raw_model, hf_dir)  # FSDP2: gathered one tensor at a time, to rank 0's CPU
+    if run.adapters:  # LoRA: the merged weights (W + scale B A) in out_dir/hf, the adapters alone as a PEFT folder
+        save_pretrained(run.raw_model, hf_dir, state=lora.merged_state_dict(run.raw_model))
+        lora.save_adapter(run.raw_model, os.path.join(run.out_dir, "adapter"), run.start["init_from"],
+                          **{k: v for k, v in run.adapters.items() if k != "quantize"})
+    else:
+        save_pretrained(run.raw_model, hf_dir)  # FSDP2: gathered one tensor at a time, to rank 0's CPU
     if not run.master:
         return
     folders = [f for f in {run.start["init_from"], run.tok.name} if os.path.isdir(f)]
@@ -156,5 +187,6 @@ def export_hf(run):
         hf_config = json.load(f)
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump({**hf_config, **ids}, f, indent=2)
-    print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}"
+    adapter = f", PEFT adapter {os.path.join(run.out_dir, 'adapter')}" if run.adapters else ""
+    print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}{adapter}"
            + (" (byte-level tokenizer: sample.py uses it by default)" if run.tok.name == "byte" else ""))

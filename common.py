@@ -14,9 +14,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from checkpoint import all_finite, load_checkpoint, restore_checkpoint
+from checkpoint import all_finite, base_fingerprint, load_checkpoint, restore_checkpoint
 from data.arithmetic import prepare_builtin
 from data.prepare import load, prepare
+import lora
 from hf import from_pretrained, load_hf_weights, read_hf_config
 from model import ModelConfig, Transformer, attention_backend, config_from_preset
 from packing import PackedLoader
@@ -48,6 +49,7 @@ class Run:
     saved: dict                # the script's own extras from the checkpoint being resumed ({} otherwise)
     max_bad_steps: int
     stop: "StopSignal"
+    adapters: dict = None      # LoRA settings (rank, alpha, dropout, targets, quantize); None: full fine-tuning
     skipped_steps: int = 0     # updates skipped for a non-finite loss or gradient norm, this process's lifetime
     bad_in_a_row: int = 0
 
@@ -127,6 +129,9 @@ def setup(config, kind, builtin_sizes=None):
         tok, start = choose_tokenizer(ckpt["tokenizer"], "resume"), ckpt["start"]
         data_dir = os.path.join(c["out_dir"], ckpt["data_dir"])  # relative: the run folder's own data
         model_config = ModelConfig(**ckpt["model_config"])
+        if c["lora_rank"] and ckpt.get("base") != base_fingerprint(start["init_from"]):
+            raise SystemExit(f"{start['init_from']} is not the base model this LoRA run started from (its files "
+                             f"changed); its checkpoint holds only the adapters: restore that folder to resume")
     else:
         start = dict(init_from=c["init_from"], preset=c["preset"])
         tok = choose_tokenizer(c["tokenizer"], c["init_from"])
@@ -139,8 +144,10 @@ def setup(config, kind, builtin_sizes=None):
     if c["compile"] == "auto" and not compiled:
         print0("compile='auto': off on CPU, where compiling costs seconds at every start for a gain within noise "
                "(bench/RESULTS.md); --compile=True to use it anyway")
+    adapters = dict(rank=c["lora_rank"], alpha=c["lora_alpha"] or 2 * c["lora_rank"], dropout=c["lora_dropout"],
+                    targets=c["lora_targets"].split(","), quantize=c["quantize_base"]) if c["lora_rank"] else None
     model, raw_model = build_model(model_config, start, c["seed"], device, c["parallel"], world_size, ptdtype,
-                                   compiled, c["activation_checkpointing"], from_checkpoint=resume)
+                                   compiled, c["activation_checkpointing"], from_checkpoint=resume, adapters=adapters)
     optimizer = make_optimizer(model, c["learning_rate"], c["weight_decay"], device_type=device.type)
 
     loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
@@ -157,23 +164,28 @@ def setup(config, kind, builtin_sizes=None):
     if start_iter >= max_iters:
         print0(f"note: the run is already at iter {start_iter}, max_iters={max_iters}: nothing to train "
                f"(raise max_iters)")
-    print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters | data: {data_dir}, {units}, {len(loader)} "
-           f"steps/epoch | world size {world_size} ({c['parallel']}) | device {device}, {dtype}, attention "
-           f"{attention_backend(device, ptdtype)} | {max_iters} iterations")
+    trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad) if adapters else 0
+    lora_note = f" (LoRA r={adapters['rank']}: {trained / 1e6:.2f}M train)" if adapters else ""
+    print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters{lora_note} | data: {data_dir}, {units}, "
+           f"{len(loader)} steps/epoch | world size {world_size} ({c['parallel']}) | device {device}, {dtype}, "
+           f"attention {attention_backend(device, ptdtype)} | {max_iters} iterations")
     return Run(rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
                raw_model=raw_model, optimizer=optimizer, loader=loader, start_iter=start_iter, max_iters=max_iters,
                out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved, max_bad_steps=c["max_bad_steps"],
-               stop=StopSignal())
+               stop=StopSignal(), adapters=adapters)
 
 
 def build_model(model_config, start, seed, device, parallel, world_size, param_dtype, compile=False,
-                activation_checkpointing=False, from_checkpoint=False):
+                activation_checkpointing=False, from_checkpoint=False, adapters=None):
     """-> (the model to call: wrapped for DDP / FSDP2, the network itself), placed on device with the initial
     weights of `start` (a seeded preset or a Hugging Face folder); from_checkpoint: left for restore_checkpoint.
     Weights from files under FSDP2 (and checkpoints always) are read after building on the meta device and
-    sharding, so each rank reads only its own rows and none ever holds the whole model."""
+    sharding, so each rank reads only its own rows and none ever holds the whole model.
+    adapters: LoRA settings (rank, alpha, dropout, targets, quantize): the base is frozen and a checkpoint holds
+    only the adapters, so on resume the base is read from `start` again."""
     sharded = parallel == "fsdp" and world_size > 1
+    from_checkpoint = from_checkpoint and not adapters
     from_files = from_checkpoint or (start["init_from"] != "scratch" and sharded)
     try:
         if from_files:
@@ -184,6 +196,14 @@ def build_model(model_config, start, seed, device, parallel, world_size, param_d
             raw_model = Transformer(model_config)
         else:
             raw_model = from_pretrained(start["init_from"], dtype=torch.float32)
+        if not from_files:
+            refuse_non_finite(raw_model, start)
+        if adapters:
+            lora.add_adapters(raw_model, adapters["rank"], adapters["alpha"], adapters["dropout"], adapters["targets"])
+            if adapters["quantize"]:
+                lora.quantize_base(raw_model)
+            elif param_dtype != torch.float32 and not sharded:  # FSDP2 casts through its mixed-precision policy
+                lora.cast_base(raw_model, param_dtype)
         if not (from_files and sharded):  # DDP broadcasts rank 0's weights when it wraps: they must exist by then
             raw_model.to_empty(device=device) if from_files else raw_model.to(device)
         raw_model.activation_checkpointing = activation_checkpointing
@@ -193,13 +213,19 @@ def build_model(model_config, start, seed, device, parallel, world_size, param_d
         model = wrap_model(raw_model, parallel, world_size, param_dtype)
         if from_files and sharded:
             raw_model.to_empty(device=device)
+        if adapters and from_files:
+            lora.init_adapters(raw_model)
         if from_files and not from_checkpoint:
-            load_hf_weights(raw_model, start["init_from"])
+            load_hf_weights(raw_model, start["init_from"], lora.base_parameters(raw_model) if adapters else None)
+            refuse_non_finite(raw_model, start)
     except (ValueError, OSError, KeyError) as e:  # a model folder we cannot read: what and where, in one line
         raise SystemExit(f"model error: {e}") from None
-    if not from_checkpoint and not all_finite(raw_model):
-        raise SystemExit(f"model error: {start['init_from']} holds NaN or infinite weights; nothing to train from")
     return model, raw_model
+
+
+def refuse_non_finite(model, start):
+    if not all_finite(model, frozen_too=True):
+        raise SystemExit(f"model error: {start['init_from']} holds NaN or infinite weights; nothing to train from")
 
 
 def initial_config(start, tok):

@@ -21,17 +21,20 @@ keys that fix what the run trains on (FIXED_ON_RESUME) cannot change.
 """
 
 import ast
+import importlib.util
 import math
 import os
 import sys
 
 import torch
 
+import lora
 from model import PRESETS
 from parallel import is_master
 from tokenizer import Tokenizer
 
-FIXED_ON_RESUME = ("data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong", "val_fraction")
+FIXED_ON_RESUME = ("data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong", "val_fraction",
+                   "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize_base")
 
 
 class ConfigError(ValueError):
@@ -100,7 +103,8 @@ def check_config(c, kind, choices):
             why = "; float16 needs loss scaling that nanopack does not do: bfloat16 has float32's range" * (
                 c[key] in ("float16", "fp16", "half"))
             bad(key, f"choose one of {', '.join(allowed)}{why}")
-    at_least = dict(batch_size=1, microbatch_tokens=1, log_interval=1, max_len=1, max_bad_steps=1, dist_timeout=1,
+    at_least = dict(lora_rank=0, batch_size=1, microbatch_tokens=1, log_interval=1, max_len=1, max_bad_steps=1,
+                    dist_timeout=1,
                     max_iters=0, eval_interval=0, eval_examples=0, warmup_iters=0, weight_decay=0.0, grad_clip=0.0,
                     min_lr=0.0, label_smoothing=0.0, sft_weight=0.0)
     for key, low in at_least.items():
@@ -117,6 +121,7 @@ def check_config(c, kind, choices):
         bad("val_fraction", "it must be in [0, 1)")
     if kind == "dpo" and (c["label_smoothing"] >= 0.5 or (c["label_smoothing"] and c["loss_type"] in ("ipo", "hinge"))):
         bad("label_smoothing", "it must be below 0.5, and 0 for ipo and hinge")
+    check_lora(c, bad)
     if c["device"] == "cuda" and not torch.cuda.is_available():
         bad("device", "this machine has no CUDA GPU (torch.cuda.is_available() is False); use 'auto' or 'cpu'")
     if c["init_from"] == "scratch" and c["preset"] not in PRESETS:
@@ -143,6 +148,30 @@ def check_config(c, kind, choices):
     if c["init_from"] != "resume" and not c["overwrite"] and os.path.exists(os.path.join(c["out_dir"], "ckpt.pt")):
         raise SystemExit(f"config error: {c['out_dir']} already holds a run (ckpt.pt); continue it with "
                          f"--init_from=resume, or start over there with --overwrite=True, or choose another out_dir")
+
+
+def check_lora(c, bad):
+    """LoRA / QLoRA keys (lora_rank 0: full fine-tuning, the other keys unused)."""
+    alpha = c["lora_alpha"]
+    number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
+    if alpha is not None and not (number and 0 < alpha < math.inf):
+        bad("lora_alpha", "it must be a number greater than 0 (None: 2 x lora_rank)")
+    if not 0.0 <= c["lora_dropout"] < 1.0:
+        bad("lora_dropout", "it must be in [0, 1)")
+    unknown = [t for t in c["lora_targets"].split(",") if t not in lora.TARGETS]
+    if unknown or not c["lora_targets"]:
+        bad("lora_targets", f"no layer is called {', '.join(map(repr, unknown))}; a block's linear layers are "
+                            f"{','.join(lora.TARGETS)} (comma-separated, no spaces)")
+    if c["quantize_base"] not in ("", "nf4"):
+        bad("quantize_base", "choose '' (the base in dtype) or 'nf4' (QLoRA)")
+    if c["quantize_base"] and not c["lora_rank"]:
+        bad("quantize_base", "a 4-bit base cannot be trained: it needs adapters, set lora_rank (e.g. 16)")
+    if c["quantize_base"] and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        bad("quantize_base", "QLoRA runs in one process (a model that fits one GPU); use LoRA without it on several")
+    if c["quantize_base"] and importlib.util.find_spec("torchao") is None:
+        bad("quantize_base", "'nf4' needs torchao: pip install torchao")
+    if c.get("reference") == "adapters_off" and not c["lora_rank"]:
+        bad("reference", "'adapters_off' is the base model under the adapters: it needs lora_rank > 0")
 
 
 def pretrained(init_from):

@@ -11,6 +11,7 @@ import hashlib
 import json
 import os
 import time
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from common import build_model
+from lora import adapters_disabled
 from packing import make_batch, pack
 from parallel import all_reduce_sum, print0
 
@@ -95,23 +97,24 @@ def split_logps(model, split_data, budget, device, autocast, prefix=None):
 
 class Reference:
     """The reference model's log-prob sums for the policy's micro-batches and the val split: looked up from
-    (P, 2) tables computed once (mode 'cached'; zeros for simpo, which has none), or computed by a live
-    frozen copy on the same packed micro-batch (mode 'live', for comparisons: it costs a second model)."""
+    (P, 2) tables computed once (mode 'cached'; zeros for simpo, which has none), or computed on the same packed
+    micro-batch by a live frozen copy (mode 'live': it costs a second model) or by the policy itself with its LoRA
+    adapters switched off (mode 'adapters_off': no copy, no cache)."""
 
-    def __init__(self, train=None, val=None, model=None, autocast=None):
-        self.train, self.val, self.model, self.autocast = train, val, model, autocast
+    def __init__(self, train=None, val=None, model=None, autocast=None, switch=nullcontext):
+        self.train, self.val, self.model, self.autocast, self.switch = train, val, model, autocast, switch
 
     def __call__(self, mb):
         """-> (chosen (P,), rejected (P,)) for the pairs of a training micro-batch."""
         if self.model is None:
             ref = self.train[mb.units]
             return ref[:, 0], ref[:, 1]
-        with torch.no_grad(), self.autocast:
+        with torch.no_grad(), self.autocast, self.switch():
             return mb.pair_sums(self.model(**mb.inputs(), logprobs=True))
 
 
 def reference(mode, run, config, key, val_prefix=None):
-    """Build the Reference for `mode` ('cached', 'live' or 'none'). Cached log-probs live in
+    """Build the Reference for `mode` ('cached', 'live', 'adapters_off' or 'none'). Cached log-probs live in
     out_dir/reference/<key>_{train,val}.npy, with <key>.json written last (its presence means complete).
     The train split's shared prefixes are the loader's, the val split's val_prefix (None: no prefix sharing)."""
     c, device = config, run.device
@@ -127,6 +130,11 @@ def reference(mode, run, config, key, val_prefix=None):
                                    getattr(torch, run.dtype))
         ref_model.requires_grad_(False).eval()
         return Reference(val=val_logps(ref_model), model=ref_model, autocast=run.autocast)
+    if mode == "adapters_off":
+        switch = lambda: adapters_disabled(run.raw_model)
+        with switch():
+            val = val_logps(run.model)
+        return Reference(val=val, model=run.model, autocast=run.autocast, switch=switch)
 
     folder = os.path.join(c["out_dir"], "reference")
     paths = {split: os.path.join(folder, f"{key}_{split}.npy") for split in ("train", "val")}

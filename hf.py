@@ -150,7 +150,8 @@ def _write_safetensors_header(f, entries):
     entries: (name, shape, torch dtype, nbytes) in the order their bytes will follow."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dtype, nbytes in entries:
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
@@ -184,8 +185,8 @@ def _read_json_object(path):
 
 
 class SafetensorsFolder:
-    """The tensors of a model folder (model.safetensors, or shards listed by model.safetensors.index.json), memory-mapped:
-    names and shapes come from the headers, and read() copies only the rows asked for."""
+    """The tensors of a model folder (model.safetensors, or shards listed by model.safetensors.index.json),
+    memory-mapped: names and shapes come from the headers, and read() copies only the rows asked for."""
 
     def __init__(self, path):
         from safetensors import SafetensorError, safe_open
@@ -236,7 +237,7 @@ class SafetensorsFolder:
 def from_pretrained(path, dtype=None, device="cpu"):
     """A Transformer from a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder; dtype None keeps
     the checkpoint's. Every problem with the folder is one ValueError or FileNotFoundError naming the file.
-    Built on the meta device, then each tensor is read straight into its parameter: peak memory is model + one tensor."""
+    Built on the meta device, then each tensor is read straight into its parameter: peak memory, model + one tensor."""
     config = read_hf_config(path)
     files = SafetensorsFolder(path)
     with torch.device("meta"):
@@ -245,18 +246,21 @@ def from_pretrained(path, dtype=None, device="cpu"):
     load_hf_weights(model, files)
     return model
 
+
 @torch.no_grad()
-def load_hf_weights(model, files):
+def load_hf_weights(model, files, params=None):
     """Fill a placed model's parameters from a Hugging Face folder (a path or a SafetensorsFolder) after checking
     every name and shape against config.json. A parameter may be an FSDP2 shard (a DTensor split along dim 0 in
-    torch.chunk pieces over the ranks): each rank then reads only its own rows."""
+    torch.chunk pieces over the ranks): each rank then reads only its own rows. params: the (name, parameter)
+    pairs to fill, by default all of them (LoRA: the base's, not the adapters')."""
     files = files if isinstance(files, SafetensorsFolder) else SafetensorsFolder(files)
+    params = list(model.named_parameters() if params is None else params)
     path, cfg = files.path, model.config
     unused = {k for k in files.keys() if not k.endswith("rotary_emb.inv_freq")}  # old exports' RoPE buffers
     tied_copy = cfg.tie_embeddings and files.has("lm_head.weight")  # some exports also write the tied head
     if tied_copy:
         unused.discard("lm_head.weight")  # checked against the embedding below
-    for name, p in model.named_parameters():
+    for name, p in params:
         key = _hf_key(name)
         if key not in unused:
             hint = " (config.json says tie_word_embeddings=false)" if name == "lm_head.weight" else ""
@@ -272,7 +276,7 @@ def load_hf_weights(model, files):
         raise ValueError(f"{path}: {len(unused)} tensor(s) in the checkpoint are not used by this "
                          f"{cfg.arch} config.json, e.g. {sorted(unused)[:3]} — the weights belong to "
                          f"another architecture or config.json is wrong; re-export the model")
-    for name, p in model.named_parameters():
+    for name, p in params:
         local = p.to_local() if hasattr(p, "to_local") else p
         start = 0
         if hasattr(p, "to_local"):  # Shard(0): rank r holds rows [r * ceil(n / W), ...), as torch.chunk splits
@@ -281,20 +285,23 @@ def load_hf_weights(model, files):
         if name in ("embed_tokens.weight", "lm_head.weight"):  # rows past vocab_size are our padding
             stop = max(start, min(stop, cfg.vocab_size))
         rows = files.read(_hf_key(name), start, stop)
-        if name == "embed_tokens.weight" and tied_copy and not torch.equal(rows, files.read("lm_head.weight", start, stop)):
+        tied_differs = tied_copy and not torch.equal(rows, files.read("lm_head.weight", start, stop))
+        if name == "embed_tokens.weight" and tied_differs:
             raise ValueError(f"{path}: config.json says tie_word_embeddings=true, but the checkpoint's "
                              f"'lm_head.weight' differs from 'model.embed_tokens.weight' — set "
                              f"tie_word_embeddings to false if the model has its own head, or re-export it")
         local[:len(rows)].copy_(rows)
         local[len(rows):].zero_()  # the vocab padding rows past vocab_size
 
-def save_pretrained(model, path, max_shard_bytes=5 * 2**30):
+
+def save_pretrained(model, path, max_shard_bytes=5 * 2**30, state=None):
     """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads. The
     headers are written first, from the shapes, then the tensors one at a time: the writer holds one tensor. Under
-    FSDP2 every rank calls this and sends its own rows of each tensor to the writer, global rank 0."""
+    FSDP2 every rank calls this and sends its own rows of each tensor to the writer, global rank 0. state: what to
+    write instead of model.state_dict() (LoRA: the merged weights), with the same names."""
     write = not dist.is_initialized() or dist.get_rank() == 0
     V = model.config.vocab_size
-    state = model.state_dict()  # FSDP2: DTensors, each rank holding its own rows
+    state = model.state_dict() if state is None else state  # FSDP2: DTensors, each rank holding its own rows
     shapes = {name: (V if name in ("embed_tokens.weight", "lm_head.weight") else t.shape[0], *t.shape[1:])
               for name, t in state.items()}  # without our vocab padding
     sizes = {name: math.prod(shapes[name]) * t.element_size() for name, t in state.items()}

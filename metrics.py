@@ -28,7 +28,8 @@ def peak_flops(device):
 class MetricsLogger:
     """One JSON object per line in out_dir/metrics.jsonl, and the same to wandb when asked (rank 0 only)."""
 
-    def __init__(self, out_dir, wandb_log=False, wandb_project="nanopack", run_name=None, config=None, resume_iter=None):
+    def __init__(self, out_dir, wandb_log=False, wandb_project="nanopack", run_name=None, config=None,
+                 resume_iter=None):
         """resume_iter: the checkpoint's step when resuming: the log is kept up to it (rows a killed run wrote past
         its last checkpoint are dropped, so no step appears twice) and appended to; None: a fresh log."""
         self.active = is_master()
@@ -95,7 +96,8 @@ class Throughput:
             list(extra) + [self.tokens, self.padding, self.positions, self.flops, self.data_time], self.device)
         self.reset()
         metrics = dict(
-            tokens=tokens / n_steps, tokens_per_sec=tokens / elapsed, tokens_per_sec_per_gpu=tokens / elapsed / self.world_size,
+            tokens=tokens / n_steps, tokens_per_sec=tokens / elapsed,
+            tokens_per_sec_per_gpu=tokens / elapsed / self.world_size,
             mfu=flops / elapsed / (self.peak * self.world_size) if self.peak else None,
             padding_fraction=padding / max(positions, 1),
             peak_mem_gb=(torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"

@@ -72,7 +72,8 @@ class ModelConfig:
             self.n_kv_head = self.n_head
         if self.head_dim is None:
             self.head_dim = self.d_model // self.n_head
-        assert self.n_head % self.n_kv_head == 0, f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}"
+        assert self.n_head % self.n_kv_head == 0, \
+            f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}"
         assert self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}"
         assert self.arch in ARCHS, f"unknown arch {self.arch!r}; one of {ARCHS}"
         # checked here, not at export: a run must not train for hours a model save_pretrained cannot describe
@@ -326,7 +327,8 @@ class Transformer(nn.Module):
         self.embed_tokens = nn.Embedding(config.padded_vocab_size, config.d_model)
         self.layers = nn.ModuleList([Block(config, i) for i in range(config.n_layer)])
         self.norm = RMSNorm(config.d_model, config.norm_eps)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.padded_vocab_size, bias=False)
+        self.lm_head = (None if config.tie_embeddings else
+                        nn.Linear(config.d_model, config.padded_vocab_size, bias=False))
         self._rope = {}  # device -> (cos, sin); kept out of the state dict and out of .to(dtype)
         self.activation_checkpointing = False  # recompute each block in backward: less memory, ~1/3 more compute
         if not any(p.is_meta for p in self.parameters()):
@@ -413,8 +415,8 @@ class Transformer(nn.Module):
 
     def flops_per_token(self, seq_lens, head_tokens=None, key_lens=None):
         """Training FLOPs (forward + backward) per real token of a packed batch with these sequence lengths.
-        6 per matmul parameter per token (2 forward, 4 backward), plus causal attention from the *actual*
-        lengths: QK^T and AV cost 4*L^2*H*D forward per layer for full attention, half of that causal,
+        6 per matmul parameter per token (2 forward, 4 backward; 4 if frozen), plus causal attention from the
+        *actual* lengths: QK^T and AV cost 4*L^2*H*D forward per layer for full attention, half of that causal,
         times 3 for fwd+bwd -> 6 * n_layer * H * D * sum(L^2) / sum(L). Embedding lookups are not matmuls.
         The LM head only runs on target tokens; pass head_tokens to count it there alone. key_lens: a query
         segment of Lq tokens over Lk keys (bottom-right causal, prefix sharing) scores Lq * (2 Lk - Lq) / 2 pairs."""
@@ -423,10 +425,13 @@ class Transformer(nn.Module):
         n_tokens = float(lens.sum())
         keys = lens if key_lens is None else torch.as_tensor(key_lens, dtype=torch.float64)
         scored = lens * (2 * keys - lens)  # L^2 where Lk = Lq
-        head = cfg.d_model * cfg.vocab_size
-        trunk = self.num_params() - self.embed_tokens.weight.numel() - (0 if self.lm_head is None else self.lm_head.weight.numel())
+        # 2 forward + 2 backward (input gradient) per parameter, + 2 for its weight gradient if it trains
+        per_param = lambda p: p.numel() * (6 if p.requires_grad else 4)
+        head = cfg.d_model * cfg.vocab_size * per_param(self.head_weight()) / self.head_weight().numel()
+        tables = {id(self.embed_tokens.weight), id(self.head_weight())}  # a lookup is no matmul; the head: above
+        trunk = sum(per_param(p) for p in self.parameters() if id(p) not in tables)
         head_share = 1.0 if head_tokens is None else head_tokens / n_tokens
         attn = 6 * cfg.n_layer * cfg.n_head * cfg.head_dim * float(scored.sum()) / n_tokens
-        return 6 * trunk + 6 * head * head_share + attn
+        return trunk + head * head_share + attn
 
 

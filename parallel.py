@@ -60,7 +60,8 @@ def wrap_model(model, parallel, world_size, param_dtype):
     if world_size == 1 or parallel is None:
         return model
     if parallel == "ddp":
-        return DDP(model, device_ids=[model.embed_tokens.weight.device.index] if model.embed_tokens.weight.is_cuda else None)
+        device = model.embed_tokens.weight.device
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     if parallel == "fsdp":
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.layers:

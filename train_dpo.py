@@ -48,9 +48,12 @@ beta = 2.0  # the inverse temperature of the implicit reward: larger = the loss 
 label_smoothing = 0.0  # sigmoid, dpo_norm, simpo: assumed chance that a pair's label is flipped (conservative DPO)
 gamma = 0.5  # simpo: target reward margin
 sft_weight = 1.0  # adds sft_weight * NLL per target token of the step's chosen responses (train_sft.py's loss)
-reference = "cached"  # 'cached': reference log-probs computed once, kept on disk; 'live': a frozen copy in memory
+reference = "auto"  # 'cached': log-probs computed once, kept on disk; 'live': a frozen copy; 'adapters_off': the
+# policy with its LoRA adapters switched off (no copy, no cache); 'auto': adapters_off with LoRA, else cached
 prefix_sharing = True  # a pair's shared prompt is computed once (prompt | chosen | rejected), not twice: same numbers
 # the run's machinery, as in train_sft.py (see there what each key does)
+lora_rank, lora_alpha, lora_dropout, quantize_base = 0, None, 0.0, ""
+lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
 seed, device, dtype, compile, activation_checkpointing, parallel = 1337, "auto", "auto", "auto", False, "ddp"
 log_interval, eval_examples, val_fraction = 10, 200, 0.01
 eval_interval = 16  # evaluate (val loss, reward accuracy; built-in: accuracy, style) and checkpoint; 0 = at the end
@@ -60,13 +63,14 @@ wandb_log, wandb_project, wandb_run_name = False, "nanopack", "dpo"
 # the Zephyr and Tulu DPO recipes train 7-8B models with lr 5e-7 and beta 0.1; the toy values above (lr 2e-4,
 # beta 2) drive a real model to loss 0 and silence within a few steps
 config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0), kind="dpo",
-                   choices=dict(loss_type=dpo.LOSS_TYPES, reference=("cached", "live")))
+                   choices=dict(loss_type=dpo.LOSS_TYPES, reference=("auto", "cached", "live", "adapters_off")))
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "dpo", builtin_sizes=dict(n_train=2048, n_val=200))  # built-in: 64 steps of 32 pairs
 model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.optimizer, run.loader, run.device
 iter_num, max_iters, world_size = run.start_iter, run.max_iters, run.world_size
-reference_mode = reference if loss_type != "simpo" else "none"
+reference_mode = "none" if loss_type == "simpo" else (reference if reference != "auto" else
+                                                        "adapters_off" if lora_rank else "cached")
 print0(f"DPO: {loss_type} loss, beta {beta}, reference {reference_mode}")
 if loader.prefix is not None:  # what computing each shared prompt once saves, over the train split
     print0(f"prefix sharing: {(loader.prefix > 0).sum():,} of {len(loader.prefix):,} pairs share a prefix (mean "
@@ -134,8 +138,8 @@ def evaluate():
 results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
 before = run.saved.get("before", {k: v for k, v in results.items() if k in ("val_accuracy", "val_preferred")})
 timer = Timer(device)
-# tokens, padding, FLOPs since the last log line; a live reference adds a forward pass (1/3 of fwd+bwd)
-meter = Throughput(raw_model, device, world_size, flops_factor=4 / 3 if reference_mode == "live" else 1.0)
+# tokens, padding, FLOPs since the last log line; a reference computed per step adds a forward (1/3 of fwd+bwd)
+meter = Throughput(raw_model, device, world_size, flops_factor=1.0 if reference_mode in ("cached", "none") else 4 / 3)
 zeros = lambda: {k: torch.zeros((), device=device, dtype=torch.float64) for k in dpo.STATS}
 stats_acc = zeros()  # pair_stats summed since the last log line
 pairs_window = chosen_targets_window = 0

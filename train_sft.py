@@ -42,6 +42,13 @@ warmup_iters = 20
 weight_decay = 0.1
 grad_clip = 1.0
 loss_weighting = "token"  # 'token': every target token counts the same; 'sequence': every example does
+# LoRA (0 = full fine-tuning): adapters of rank lora_rank on the block's linear layers, the base frozen; exported both
+# merged (out_dir/hf) and as a PEFT folder (out_dir/adapter). QLoRA: quantize_base='nf4' keeps the base in 4 bits.
+lora_rank = 0
+lora_alpha = None  # the adapters' output is scaled by lora_alpha / lora_rank; None = 2 x lora_rank
+lora_dropout = 0.0  # on the adapters' input, while training
+lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Hugging Face names, comma-separated
+quantize_base = ""  # '' or 'nf4' (pip install torchao; one process)
 seed = 1337
 device = "auto"  # 'auto', 'cpu', 'cuda'
 dtype = "auto"  # 'auto' = bfloat16 on CUDA, float32 on CPU

@@ -1,0 +1,167 @@
+"""
+LoRA and QLoRA: low-rank adapters on a Transformer's block linears, the base frozen (QLoRA: stored in 4-bit NF4).
+
+A LoRALinear *is* the nn.Linear it replaces (the same weight and bias parameters, under the same names, so Hugging
+Face I/O and FSDP2 see the base unchanged), plus lora_A (r, in) and lora_B (out, r):
+    y = x W^T + b + scale * dropout(x) A^T B^T,   scale = alpha / r,   B = 0 at the start (step 0 is the base)
+Switched off (adapters_disabled) it is the base exactly: DPO's reference without a second model or a cache.
+Out: merged_state_dict (W + scale B A, for hf.save_pretrained) and save_adapter (a PEFT folder).
+"""
+import contextlib
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from parallel import print0
+
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # Hugging Face names
+
+
+class LoRALinear(nn.Linear):
+    def forward(self, x):
+        y = F.linear(x, self.weight, self.bias)  # an NF4 weight is dequantised inside F.linear
+        if not self.enabled:
+            return y
+        return y + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
+
+
+def add_adapters(model, rank, alpha, dropout=0.0, targets=TARGETS):
+    """Freeze the model and give each target linear of every block rank-`rank` adapters (initialised unless the
+    model is on the meta device: then init_adapters after placing it). Returns the model."""
+    unknown = sorted(set(targets) - set(TARGETS))
+    if unknown:
+        raise ValueError(f"lora_targets: no layer is called {', '.join(map(repr, unknown))}; a block's linear "
+                         f"layers are {', '.join(TARGETS)}")
+    model.requires_grad_(False)
+    for block in model.layers:
+        for parent in (block.self_attn, block.mlp):
+            for name in targets:
+                if hasattr(parent, name):
+                    _to_lora(getattr(parent, name), rank, alpha, dropout)
+    if not model.embed_tokens.weight.is_meta:
+        init_adapters(model)
+    return model
+
+
+def _to_lora(linear, rank, alpha, dropout):
+    # the module itself becomes a LoRALinear (as fully_shard turns modules into FSDP modules): the base keeps its
+    # Parameter objects, hooks and place in the model, and this works on the meta device
+    linear.__class__ = LoRALinear
+    w = linear.weight
+    linear.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
+    linear.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, device=w.device, dtype=w.dtype))
+    linear.scale, linear.enabled, linear.dropout = alpha / rank, True, nn.Dropout(dropout)
+
+
+@torch.no_grad()
+def init_adapters(model, seed=0):
+    """A as nn.Linear's (and peft's) default, kaiming-uniform; B zero. Drawn whole from a seeded generator, so a
+    process holding FSDP2 shards gets the same values as one holding it all."""
+    gen = torch.Generator().manual_seed(seed)
+    for module in adapted(model):
+        a = torch.empty(tuple(module.lora_A.shape))
+        nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=gen)
+        _copy_rows(module.lora_A, a)
+        _copy_rows(module.lora_B, torch.zeros(tuple(module.lora_B.shape)))
+
+
+def _copy_rows(param, full):
+    """Copy a whole tensor into a parameter, or into this rank's rows of an FSDP2 (Shard(0)) DTensor."""
+    if hasattr(param, "to_local"):
+        from torch.distributed.tensor import distribute_tensor
+        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param = param.to_local()
+    param.copy_(full)
+
+
+def adapted(model):
+    return [m for m in model.modules() if isinstance(m, LoRALinear)]
+
+
+def base_parameters(model):
+    """(name, parameter) of everything but the adapters: what a Hugging Face folder fills."""
+    return [(n, p) for n, p in model.named_parameters() if not n.endswith(("lora_A", "lora_B"))]
+
+
+@contextlib.contextmanager
+def adapters_disabled(model):
+    modules = adapted(model)
+    for m in modules:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.enabled = True
+
+
+def quantize_base(model, block_size=64, scaler_block_size=256):
+    """QLoRA: each adapted layer's frozen weight becomes a torchao NF4 tensor (4-bit codes, one scale per
+    block_size values, the scales themselves quantised per scaler_block_size), dequantised per matmul."""
+    try:
+        from torchao.quantization import to_nf4
+    except ImportError:
+        raise SystemExit("quantize_base='nf4' needs torchao: pip install torchao") from None
+    kept = []
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            if m.weight.numel() % (block_size * scaler_block_size):  # torchao's blocks must tile the weight
+                kept.append(name)
+                continue
+            m.weight = nn.Parameter(to_nf4(m.weight.detach(), block_size, scaler_block_size), requires_grad=False)
+    if kept:
+        print0(f"quantize_base: {len(kept)} weight(s) stay in {model.embed_tokens.weight.dtype}, their size is not a "
+               f"multiple of {block_size * scaler_block_size} (NF4 blocks), e.g. {kept[0]}")
+    return kept
+
+
+@torch.no_grad()
+def cast_base(model, dtype):
+    """The frozen matrices in the compute dtype (bf16: half of float32's memory; nothing of them trains, so no
+    float32 master copy is needed), the embedding table excepted: it sets the residual stream's dtype."""
+    for name, p in model.named_parameters():
+        if not p.requires_grad and p.dim() == 2 and name != "embed_tokens.weight":
+            p.data = p.data.to(dtype)
+
+
+def dense(w):
+    return w.get_original_weight() if hasattr(w, "get_original_weight") else w  # NF4 -> its dtype
+
+
+@torch.no_grad()
+def merged_state_dict(model):
+    """model.state_dict() with each adapted weight replaced by W + scale * B A and no adapter entries: the network
+    a merged export holds. Under FSDP2 the entries stay DTensors, each rank merging its own rows."""
+    state = model.state_dict()
+    for name, m in model.named_modules():
+        if isinstance(m, LoRALinear):
+            w = dense(state[f"{name}.weight"])
+            state[f"{name}.weight"] = w + m.scale * (m.lora_B @ m.lora_A).to(w.dtype)
+            del state[f"{name}.lora_A"], state[f"{name}.lora_B"]
+    return state
+
+
+def save_adapter(model, path, base_model_name_or_path, rank, alpha, dropout, targets):
+    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors with peft's names) that
+    peft.PeftModel.from_pretrained(base, path) loads. Every rank calls it (FSDP2 gathers); rank 0 writes."""
+    from safetensors.torch import save_file
+    import torch.distributed as dist
+    tensors = {}
+    for name, p in model.named_parameters():
+        if name.endswith(("lora_A", "lora_B")):
+            full = p.full_tensor() if hasattr(p, "full_tensor") else p
+            tensors[f"base_model.model.model.{name}.weight"] = full.detach().cpu().contiguous()
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    os.makedirs(path, exist_ok=True)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                  target_modules=sorted(targets), bias="none", fan_in_fan_out=False, use_rslora=False,
+                  use_dora=False, init_lora_weights=True, inference_mode=True,
+                  base_model_name_or_path=base_model_name_or_path)
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)
