@@ -1,23 +1,14 @@
 """
 nanoGPT-style configuration: a training script keeps its config as plain globals at the top, then calls
+`config = configure(globals(), kind=...)`, which applies every config/*.py file named on the command line, then every
+--key=value. Only keys the script defines can be set, each with the type of its default (an int where a float is
+expected; a default of None or 'auto' takes any type).
 
-    config = configure(globals())
-
-which applies, in order, every config/*.py file named on the command line and every --key=value.
-Only keys the script already defines can be set, and each value must have the type of the script's default
-(an int is accepted where a float is expected; a default of None or 'auto' accepts any value). Anything else is one
-clear error naming the file or argument, the key and the value.
-
-With `finetune` values, a run that starts from a pretrained model (init_from a folder that ships its own tokenizer,
-as real checkpoints do; not one of our toy runs' exports) uses them for the keys argv does not set, and says so:
-toy learning rates destroy a real model.
-
-Then, for a training script (kind given), every value a user can get wrong is checked before any data is tokenized
-or model loaded (check_config): one `config error:` line each, naming the key, the value and what is accepted.
-
-With init_from='resume' the run continues with the config saved in out_dir/ckpt.pt: keys not given again keep
-the run's values, keys given with another value are printed ("overriding learning_rate 1e-05 -> 2e-05"), and
-keys that fix what the run trains on (FIXED_ON_RESUME) cannot change.
+finetune: values for the keys argv does not set, when the run starts from a pretrained model (a folder with its own
+tokenizer), said once: toy learning rates destroy a real model. init_from='resume': the run's saved config, with
+keys given again printed as overrides; FIXED_ON_RESUME keys cannot change. Then (kind given) every value a user can
+get wrong is checked before any data is tokenized or model loaded (check_config).
+Every mistake is one `config error:` line naming the key (and file or argument), the value and what is accepted.
 """
 
 import ast

@@ -213,9 +213,7 @@ def attention_backend(device, dtype):
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_seqlens_k=None, max_seqlen_k=None):
     """Causal attention within each packed sequence. q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D).
     With cu_seqlens_k, k/v are (Tk, Hkv, D) and query segment i attends to key segment i, aligned at the
-    bottom right (its last query sees every key): flash-attn >= 2.1's causal semantics, which torch's
-    varlen_attn shares (it calls the same FA2 kernel, aten._flash_attention_forward, whose is_causal torch
-    itself uses for lower-right causal masks: torch/nn/attention/bias.py)."""
+    bottom right (its last query sees every key): flash-attn's causal semantics, which torch's varlen_attn shares."""
     backend = attention_backend(q.device, q.dtype)
     left = -1 if sliding_window is None else sliding_window - 1  # tokens seen before the query
     cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)

@@ -1,26 +1,18 @@
 """
-Lengths in, packed micro-batches out.
+Lengths in, packed micro-batches out. A micro-batch is whole examples back to back, at most `microbatch_tokens`
+long, cu_seqlens marking the boundaries attention never crosses: nothing padded, cut or dropped.
 
-Examples are never padded to a common length: a micro-batch is the concatenation of whole
-examples, at most `microbatch_tokens` long, with cu_seqlens marking the boundaries so that
-attention never crosses them. Nothing is cut and nothing is dropped.
+Data (data/prepare.py): ids (M,) all tokens; offsets (N+1,), example i is ids[offsets[i]:offsets[i+1]];
+loss_mask (M,), 1 on the tokens to learn. DPO: examples 2p and 2p+1 are pair p's chosen and rejected.
 
-Data layout (see data/prepare.py): a dict with
-    ids        (M,) uint16/uint32  all examples' tokens concatenated
-    offsets    (N+1,) int64        example i is ids[offsets[i]:offsets[i+1]]
-    loss_mask  (M,) uint8          1 on the tokens the model must learn to produce
-For DPO, example 2*p is the chosen and 2*p+1 the rejected sequence of pair p.
+The label shift happens here, once: targets[t] is the token position t must predict (the next one, if trained and
+in the same sequence, else IGNORE_INDEX); the model knows nothing of shifting or boundaries.
 
-The label shift happens here, once: a batch carries `targets`, where targets[t] is the token position
-t must predict (the next token, if that one is trained and in the same sequence, else IGNORE_INDEX).
-The model scores hidden state t against targets[t] and knows nothing about shifting or boundaries.
-
-DPO prefix sharing: a pair whose chosen and rejected sequences start with the same P tokens (the prompt)
-is laid out as `prompt | chosen rest | rejected rest`, positions 0..P-1 | P.. | P.., so the prompt is
-computed once. The rejected rest attends to the prompt through a separate key/value stream (kv_index:
-each sequence's own tokens, the prompt gathered a second time for the rejected one; cu_seqlens_k its
-boundaries), and since one hidden row (the prompt's last) then predicts two different tokens, DPO
-batches carry their targets as explicit (row, token, sequence) triples: target_rows, targets, seq_ids.
+DPO prefix sharing: a pair whose sequences start with the same P tokens (the prompt) is laid out
+`prompt | chosen rest | rejected rest`, positions 0..P-1 | P.. | P..: the prompt is computed once, and the rejected
+rest attends to it through a key/value stream of its own (kv_index: each sequence's rows in order, the prompt's
+twice; cu_seqlens_k). The prompt's last row then predicts two tokens, so DPO targets are (row, token, sequence)
+triples: target_rows, targets, seq_ids.
 """
 import heapq
 from bisect import bisect_left, insort
@@ -208,25 +200,17 @@ class Step:
 class PackedLoader:
     """Yields one Step per optimizer step, forever (epochs roll over; len() = steps per epoch).
 
-    Step k of epoch e holds the units (examples; DPO: pairs) perm[k*B:(k+1)*B] of a permutation
-    seeded by (seed, e): the data of a step depends only on seed, epoch and batch_size, never on
-    world_size or microbatch_tokens, so 1 GPU and 8 GPUs train on the same data and a run can
-    resume on a different number of GPUs. The last partial step of an epoch is a smaller step.
-    Each rank takes a near-equal share of the step's tokens and packs it with best-fit-decreasing
-    into micro-batches of <= microbatch_tokens.
+    Step k of epoch e holds the units (examples; DPO: pairs) perm[k*B:(k+1)*B] of a permutation seeded by
+    (seed, e): a step's data never depends on world_size or microbatch_tokens, so 1 GPU and 8 train on the same
+    data and a run resumes on another number of GPUs. An epoch's last partial step is a smaller step. Each rank
+    takes a near-equal share of the step's tokens, packed best-fit-decreasing into micro-batches.
 
-    Every rank gets the same number of micro-batches: ranks with fewer (or no examples, when
-    batch_size < world_size) get filler micro-batches with no real tokens and all targets -100,
-    because DDP and FSDP collectives hang unless every rank runs as many forward/backward passes.
-    The training script runs every micro-batch, syncs gradients on the last one only, and
-    divides each micro-batch's summed loss by the step's global count (num_target_tokens for SFT,
-    num_pairs for DPO), times world_size if the gradient reduction averages over ranks.
-    A filler's loss must still touch the parameters (a sum over zero targets, not a skipped call).
+    Every rank gets as many micro-batches (DDP and FSDP collectives hang otherwise): a rank with fewer gets filler
+    micro-batches, no real tokens and no targets, whose loss still touches the parameters. The script syncs
+    gradients on the last one and divides each micro-batch's summed loss by the step's global count
+    (num_target_tokens for SFT, num_pairs for DPO), times world_size where gradients are averaged over ranks.
 
-    DPO with prefix_sharing: a pair costs chosen + rejected - its shared prefix tokens (see make_batch).
-
-    Resuming: state_dict() is the state after the last step returned. A script that fetches the
-    next step before the current one is trained should checkpoint step.state instead.
+    Resuming: state_dict() is the state after the last step returned (or step.state of a step in hand).
     """
 
     def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0,

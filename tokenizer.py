@@ -1,39 +1,24 @@
 """
-Tokenizers (tiktoken underneath) and the chat templates that decide which tokens are trained.
-
-Three ways to get a Tokenizer, all offline:
+Tokenizers, tiktoken underneath. Three ways to get one, all offline:
   Tokenizer.byte_level()    256 byte tokens + 5 chat special tokens: the built-in data and the tests
-  Tokenizer.from_dir(path)  a model folder: its Hugging Face tokenizer.json (byte-level BPE: Qwen2/2.5/3,
-                            SmolLM2, Llama-3 exported) or else its Llama-3 tiktoken file tokenizer.model,
-                            and the folder's own chat template when it has one
+  Tokenizer.from_dir(path)  a model folder: its Hugging Face tokenizer.json (byte-level BPE: Qwen2/2.5/3, SmolLM2,
+                            Llama-3 exported) or else its Llama-3 tiktoken file tokenizer.model, and the folder's own
+                            chat template when it has one (chat_template.py)
   get_tokenizer(spec)       "byte" or a model folder: what `data/prepare.py --tokenizer` takes
 
-Chat formats. A folder's own template (chat_template.jinja, else tokenizer_config.json "chat_template")
-is rendered as transformers renders it: a sandboxed jinja2 environment with the same settings, filters
-and globals, tokenizer_config.json's special tokens (bos_token, eos_token, ...) as variables. The text
-is cut at the special tokens the template wrote and the pieces between are encoded, so render() gives
-the ids of apply_chat_template. Without a template of its own (and for the byte-level toy tokenizer)
-a built-in format is used: "simple", "llama3" or "chatml" (TEMPLATES).
+render(messages) -> (ids, loss_mask). A token is trained (mask 1) when it holds a character of an assistant
+message's content as the template writes it, or is the special token the template writes right after it with only
+whitespace between (the end of the turn); all else is 0 (bos, headers, default system prompts, system and user
+turns, Qwen3's empty <think></think> block). A reply is found by rendering again with it replaced by a character the
+text lacks: the two renderings differ exactly there. The text is cut at the special tokens the template wrote and
+the pieces between are encoded, so the ids are apply_chat_template's.
 
-render(messages) -> (ids, loss_mask). The rule: a token is trained (mask 1) when it holds a character
-of an assistant message's content as the template writes it (after the template's own trimming), or
-is the special token the template writes right after it with only whitespace between: the end of the
-turn. All else is 0: bos, role headers, default system prompts, system and user turns, what a template
-writes around a reply (Qwen3's empty <think></think> block before the last one), the newline after an
-end of turn. So a token BPE merged across the start of a reply (a header's newline with the reply's
-first newline) is trained. A reply is found by rendering again with it replaced by a character the
-text lacks: the two renderings differ exactly there.
+Special-token text in the data is never parsed as a special token (as apply_chat_template with
+sanitize_control_tokens=True): data cannot inject a turn boundary.
 
-Special tokens are never parsed out of text from the data: encode("<|im_start|>") gives the plain-text
-tokens of those 12 characters, and in a rendered chat only the template's own text gives special
-tokens, so data cannot inject a turn boundary. That is what transformers does when called with
-apply_chat_template(..., sanitize_control_tokens=True); plain apply_chat_template parses special-token
-text in messages too, so for such messages (only) the ids differ from it on purpose.
-
-Vocabularies that lack single bytes (SmolLM2 lacks 21 of the 256): `tokenizers` drops a byte it cannot
-spell from its regex piece and the bytes around it may then merge; with an unk_token in the model it
-emits unk instead (one per run with fuse_unk) and nothing merges across it. encode does the same, on a
-slower path taken only for text that holds such a byte.
+Vocabularies that lack single bytes (SmolLM2 lacks 21 of the 256): `tokenizers` drops a byte it cannot spell and
+the bytes around it may then merge; with an unk_token it emits unk instead (one per run with fuse_unk). encode
+does the same, on a slower path taken only for text that holds such a byte.
 """
 import base64
 import hashlib
@@ -42,28 +27,15 @@ import json
 import os
 import re
 import unicodedata
-from datetime import datetime
 
 import jinja2
-import jinja2.ext
 import regex  # tiktoken's own dependency; the same split regexes, for text with unspellable bytes
 import tiktoken
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# bos: prepended once per conversation (None: nothing). header: opens a turn, {role} filled in.
-# eot: the end-of-turn special token, trained on assistant turns. after: text following eot, untrained.
-TEMPLATES = {
-    "simple": dict(bos="<|bos|>", header="<|{role}|>", eot="<|end|>", after=""),
-    "llama3": dict(bos="<|begin_of_text|>", header="<|start_header_id|>{role}<|end_header_id|>\n\n",
-                   eot="<|eot_id|>", after=""),
-    "chatml": dict(bos=None, header="<|im_start|>{role}\n", eot="<|im_end|>", after="\n"),
-}
-ROLES = ("system", "user", "assistant")
+from chat_template import (ROLES, TEMPLATES, compile_chat_template, guess_template, read_chat_template,
+                           token_text)
+
 BYTE_SPECIALS = ["<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 256..260
-# the variables transformers passes every chat template (its special_tokens_map)
-TEMPLATE_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                      "mask_token")
-
 # split regexes (tiktoken's regex dialect, same as the Hugging Face tokenizers one for these)
 GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
@@ -454,81 +426,6 @@ def utf8(text):
         return text.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates: replaced, as tiktoken's encode does
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
-
-
-def token_text(token):
-    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
-    return token.get("content") if isinstance(token, dict) else token
-
-
-def read_chat_template(folder, config):
-    """The folder's own chat template as transformers picks it: chat_template.jinja, else
-    tokenizer_config.json's "chat_template" (a string, or named templates of which "default" is used)
-    -> (source, variables, where) or None. variables: the special tokens the template may use."""
-    where = os.path.join(folder, "chat_template.jinja")
-    if os.path.exists(where):
-        with open(where, encoding="utf-8") as f:
-            source = f.read()
-    else:
-        where = os.path.join(folder, "tokenizer_config.json") + ' "chat_template"'
-        source = config.get("chat_template") or None
-        if isinstance(source, list):
-            named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
-            if "default" not in named:
-                raise ValueError(f"{where}: named templates {sorted(map(str, named))} and none called "
-                                 f"'default', so it is not clear which one to use")
-            source = named["default"]
-        if source is None:
-            return None
-        if not isinstance(source, str):
-            raise ValueError(f"{where}: a {type(source).__name__}, not a template string or a list of "
-                             f"named templates")
-    variables = {k: token_text(config[k]) for k in TEMPLATE_VARIABLES if config.get(k) is not None}
-    return source, variables, where
-
-
-class GenerationBlock(jinja2.ext.Extension):
-    """{% generation %}...{% endgeneration %} (TRL marks assistant text with it): renders its body."""
-    tags = {"generation"}
-
-    def parse(self, parser):
-        next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
-
-
-def compile_chat_template(source, where):
-    """A chat template compiled the way transformers compiles it (chat_template_utils.py): a sandbox
-    that cannot reach Python internals, trim_blocks + lstrip_blocks, {% break %}/{% continue %}, and
-    the globals raise_exception / strftime_now and a tojson that does not escape HTML."""
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols, GenerationBlock])
-
-    def raise_exception(message):
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
-
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
-    try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as e:  # also an unknown tag or filter: a feature we do not provide
-        raise ValueError(f"{where}: line {e.lineno}: {' '.join(str(e.message).split())} (nanopack "
-                         f"compiles templates as transformers does: jinja2 with loopcontrols, tojson, "
-                         f"raise_exception, strftime_now)") from None
-
-
-def guess_template(special_tokens, where):
-    """The built-in format whose special tokens a tokenizer without a chat template has."""
-    if "<|start_header_id|>" in special_tokens:
-        return "llama3"
-    if "<|im_start|>" in special_tokens:
-        return "chatml"
-    raise ValueError(f"{where}: no chat template in the folder and cannot tell the chat format (no Llama-3 "
-                     f"header or <|im_start|> token); pass template= one of {list(TEMPLATES)}")
 
 
 def split_regex(pre, unsupported):

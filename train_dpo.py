@@ -8,8 +8,9 @@ Padding-free DPO, read top to bottom like train_sft.py: config, setup, reference
 Every optimizer step takes `batch_size` preference pairs (global, whatever the world size). A pair's chosen and
 rejected sequences sit in the same micro-batch, packed with other whole pairs into at most `microbatch_tokens`
 tokens; one forward pass gives every sequence's log-prob sum (one index_add_ over sequence ids). The reference
-model's sums are computed once before training and kept on disk (reference='cached'), so no second model is in
-memory. The step loss is the mean over the step's pairs: any micro-batch size and world size give the same step.
+model's sums are computed once before training and kept on disk (reference='cached'), or, with LoRA, by the same
+network with its adapters switched off: no second model in memory either way. The step loss is the mean over the
+step's pairs: any micro-batch size and world size give the same step.
 """
 
 import time

@@ -1,6 +1,6 @@
 """
-The built-in dataset: short arithmetic chats, generated deterministically, so that
-`python train_sft.py` and `python train_dpo.py` run offline with nothing to download.
+The built-in dataset: short arithmetic chats, generated deterministically, so that `python train_sft.py` and
+`python train_dpo.py` run offline with nothing to download.
 
     system:    Be concise.                      (in about 1 conversation out of 3)
     user:      What is 37+48?
@@ -8,26 +8,14 @@ The built-in dataset: short arithmetic chats, generated deterministically, so th
     user:      Now subtract 9 from that.        (follow-ups reuse the previous answer)
     assistant: Sure! 85-9 = 76                  (the "chatty" style: a filler word first)
 
-1 to 4 turns and several phrasings, so lengths really vary (about 25 to 300 bytes). Every conversation
-belongs either to train or to val (a hash of its text decides), so no val conversation is ever trained on.
-The arithmetic facts themselves (23+7, 6*8) come from one finite table shared by both splits: held-out
-accuracy measures whether training taught the model this chat task and its table, not arithmetic on
-unseen numbers. We measured that too: with problems held out instead, the ~1M-parameter toy model reached
-38% in the same budget (memorising, not generalising); learning arithmetic takes far more than minutes
-on a laptop CPU.
-
-Two answer styles, mixed at random turn by turn in the SFT data, so that after SFT the model answers in
-both and nothing in the data says which is wanted: the behaviour SFT leaves unspecified, which is what
-preference tuning is for (tone, format, brevity). The preference: plain, no filler. (A terse style, the
-result alone, was tried first: mixed into SFT it cut held-out accuracy from 88% to 28%, since the toy
-model then computes without writing the operands next to the result.)
-
-DPO pairs: the prompt is a conversation up to its last question; chosen is the right answer in the plain
-style. Rejected is, in 3 pairs out of 4, the right answer in the chatty style (the behaviour to unlearn),
-and in 1 out of 4 a plausible wrong answer in the plain style (off by one, last two digits swapped, the
-wrong operation), so that moving towards the style does not move away from being right.
-Evaluation: evaluate() answers the first val prompts greedily: exact-match accuracy (score()) and the
-preferred-behaviour rate (the share of plain replies, preferred()).
+1 to 4 turns, several phrasings (25 to 300 bytes). A hash of its text puts each conversation in train or val; the
+arithmetic facts come from one finite table shared by both, so held-out accuracy measures the chat task and its
+table, not arithmetic on unseen numbers (which a ~1M-parameter model does not learn in minutes on a CPU).
+The two styles are mixed at random in the SFT data: what SFT leaves unspecified, which preference tuning is for.
+DPO pairs: the prompt up to the last question; chosen, the right answer in the plain style; rejected, in 3 pairs of
+4 the right answer in the chatty style, else a plausible wrong answer in the plain style (so moving towards the
+style does not move away from being right). evaluate() answers val prompts greedily: exact-match accuracy
+(score()) and the preferred-behaviour rate (the share of plain replies, preferred()).
 
     python data/arithmetic.py    # print a few examples
 """
