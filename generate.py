@@ -1,7 +1,6 @@
 """
-Generation with a KV cache on the packed stream: a batch of prompts is read once, in one packed prefill, then
-each new token is one decode step over the unfinished sequences (no padding anywhere). Used by sample.py (the
-command line), the built-in task's evaluation (data/arithmetic.py) and anything else that samples.
+Generation with a KV cache on the packed stream: a batch of prompts is read once, in one packed prefill, then each
+new token is one decode step over the unfinished sequences (no padding anywhere). Used by sample.py and evaluation.
 """
 import torch
 import torch.nn.functional as F
@@ -10,13 +9,11 @@ from model import varlen_attention
 
 
 class KVCache:
-    """Keys and values of a batch of sequences while generating: per layer a buffer (B, Hkv, capacity, D) whose
-    row b holds sequence b's keys at their positions (capacity: the longest sequence when generation ends).
-    A forward with a cache runs rows 0..B-1 in order; begin() is called once per forward, then attend() once by
-    each layer in turn, which writes the layer's new k, v at (row, position) and attends:
+    """Keys and values of a batch of sequences while generating: per layer a buffer (B, Hkv, capacity, D) whose row b
+    holds sequence b's keys at their positions. Each forward calls begin() once, then each layer attend(), which
+    writes the layer's new k, v at (row, position) and attends:
       prefill (the first forward, each sequence from position 0): within the packed stream, as without a cache;
-      decode (each later forward, one new token per row): over the row's positions 0..position, all rows in
-      one SDPA call (on CUDA too: one query row per sequence needs no varlen kernel).
+      decode (one new token per row): over the row's positions 0..position, all rows in one SDPA call, on CUDA too.
     keep(rows) drops finished sequences, so later decode steps compute the unfinished ones only."""
 
     def __init__(self, batch_size, capacity):
@@ -24,8 +21,7 @@ class KVCache:
         self.k, self.v = [], []  # per layer (B, Hkv, capacity, D), made at the first write, in k's dtype
 
     def begin(self, position_ids, cu_seqlens, max_seqlen, sliding_window):
-        """Where this forward's tokens go and, in decode, which keys each one sees.
-        max_seqlen: the longest sequence, its cached tokens included."""
+        """Where this forward's tokens go and, in decode, which keys each one sees (max_seqlen counts cached tokens)."""
         T, B = position_ids.shape[0], cu_seqlens.shape[0] - 1
         assert B == self.batch_size, f"a forward with a cache of {self.batch_size} sequences got {B}"
         self.layer = 0  # the next attend() is this layer's
@@ -40,8 +36,7 @@ class KVCache:
                 sees &= key_pos > position_ids[:, None] - sliding_window
             self.mask = sees[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and query rows
 
-    # eager even inside a compiled block: in-place writes into buffers held by a Python object, and no
-    # layer index for the compiler to specialise each layer's code on
+    # eager even when compiled: in-place writes to a Python object's buffers, and no layer index to specialise on
     @torch.compiler.disable
     def attend(self, q, k, v, cu_seqlens, max_seqlen, sliding_window):
         """q: (T, Hq, D), k, v: (T, Hkv, D) of the current layer -> (T, Hq, D)."""

@@ -1,7 +1,6 @@
 """
-Hugging Face checkpoints in and out: config.json <-> ModelConfig, safetensors read row by row from memory-mapped
-files (so an FSDP2 rank reads only its own rows) and written tensor by tensor (FSDP2 rows gathered to rank 0's
-CPU one tensor at a time). Module names follow Hugging Face's Llama, so names map one-to-one (_hf_key).
+Hugging Face checkpoints in and out: config.json <-> ModelConfig; safetensors read row by row from memory-mapped
+files (an FSDP2 rank reads only its own rows) and written tensor by tensor (FSDP2 rows gathered to rank 0's CPU).
 """
 import json
 import math
@@ -55,8 +54,7 @@ def config_from_hf(hf, source="config.json"):
     rope = hf.get(rope_key) or {}
     if not isinstance(rope, dict):
         unsupported(rope_key, 'expected an object such as {"rope_type": "linear", "factor": 2.0}')
-    theta = get("rope_theta", float, within=rope_key) if rope else None
-    theta = theta or get("rope_theta", float, 10000.0)
+    theta = (get("rope_theta", float, within=rope_key) if rope else None) or get("rope_theta", float, 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
     needs = {"default": (), "linear": ("factor",),  # the keys rope_inv_freq reads
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
@@ -117,9 +115,8 @@ def config_to_hf(cfg, dtype):
 
 
 def _gather_rows(t, write):
-    """A full tensor on the writer's CPU from an FSDP2 DTensor (dim 0 in torch.chunk pieces over the mesh), rank by
-    rank: the writer (mesh rank 0) receives each other rank's rows into one shard-sized buffer on its device and copies
-    them to CPU; the others send theirs and get None. A plain tensor comes back as it is."""
+    """A full tensor on the writer's (mesh rank 0's) CPU from an FSDP2 DTensor (dim 0 in torch.chunk pieces), received
+    rank by rank through one shard-sized buffer; the others send their rows and get None. A plain tensor: as it is."""
     if not hasattr(t, "to_local"):
         return t
     local, mesh = t.to_local(), t.device_mesh
@@ -145,9 +142,8 @@ _SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float
 
 
 def _write_safetensors_header(f, entries):
-    """The safetensors layout: an 8-byte little-endian header length, a JSON header of name -> dtype, shape and
-    byte range (padded with spaces to a multiple of 8), then the tensors' bytes in that order, back to back.
-    entries: (name, shape, torch dtype, nbytes) in the order their bytes will follow."""
+    """safetensors: an 8-byte little-endian header length, a JSON header of name -> dtype, shape and byte range
+    (space-padded to a multiple of 8), then the bytes back to back. entries: (name, shape, torch dtype, nbytes)."""
     header, offset = {"__metadata__": {"format": "pt"}}, 0
     for name, shape, dtype, nbytes in entries:
         header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
@@ -233,7 +229,6 @@ class SafetensorsFolder:
         return self.files[key].get_slice(key)[start:stop]
 
 
-
 def from_pretrained(path, dtype=None, device="cpu"):
     """A Transformer from a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder; dtype None keeps
     the checkpoint's. Every problem with the folder is one ValueError or FileNotFoundError naming the file.
@@ -249,10 +244,9 @@ def from_pretrained(path, dtype=None, device="cpu"):
 
 @torch.no_grad()
 def load_hf_weights(model, files, params=None):
-    """Fill a placed model's parameters from a Hugging Face folder (a path or a SafetensorsFolder) after checking
-    every name and shape against config.json. A parameter may be an FSDP2 shard (a DTensor split along dim 0 in
-    torch.chunk pieces over the ranks): each rank then reads only its own rows. params: the (name, parameter)
-    pairs to fill, by default all of them (LoRA: the base's, not the adapters')."""
+    """Fill a placed model's parameters from a Hugging Face folder (a path or a SafetensorsFolder) after checking every
+    name and shape against config.json. An FSDP2 shard (dim 0 in torch.chunk pieces) reads only its own rows.
+    params: the (name, parameter) pairs to fill, by default all of them (LoRA: the base's, not the adapters')."""
     files = files if isinstance(files, SafetensorsFolder) else SafetensorsFolder(files)
     params = list(model.named_parameters() if params is None else params)
     path, cfg = files.path, model.config
@@ -291,14 +285,13 @@ def load_hf_weights(model, files, params=None):
                              f"'lm_head.weight' differs from 'model.embed_tokens.weight' — set "
                              f"tie_word_embeddings to false if the model has its own head, or re-export it")
         local[:len(rows)].copy_(rows)
-        local[len(rows):].zero_()  # the vocab padding rows past vocab_size
+        local[len(rows):].zero_()
 
 
 def save_pretrained(model, path, max_shard_bytes=5 * 2**30, state=None):
-    """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads. The
-    headers are written first, from the shapes, then the tensors one at a time: the writer holds one tensor. Under
-    FSDP2 every rank calls this and sends its own rows of each tensor to the writer, global rank 0. state: what to
-    write instead of model.state_dict() (LoRA: the merged weights), with the same names."""
+    """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads: headers
+    first, from the shapes, then one tensor at a time. Under FSDP2 every rank calls this and sends its rows to global
+    rank 0. state: what to write instead of model.state_dict() (LoRA: the merged weights), with the same names."""
     write = not dist.is_initialized() or dist.get_rank() == 0
     V = model.config.vocab_size
     state = model.state_dict() if state is None else state  # FSDP2: DTensors, each rank holding its own rows
@@ -341,8 +334,7 @@ def save_pretrained(model, path, max_shard_bytes=5 * 2**30, state=None):
             fname.startswith("model-") and "-of-" in fname and fname.endswith(".safetensors"))
         if stale and fname not in written:
             os.remove(os.path.join(path, fname))
-    # save_file creates 0600 files and open() keeps an older file's mode: give every file the mode a
-    # new file gets (0666 less the umask), so others sharing the export can read it
+    # open() keeps an older file's mode (save_file's is 0600): give each the mode a new file gets, so others can read
     umask = os.umask(0)
     os.umask(umask)
     for fname in written:

@@ -1,7 +1,6 @@
 """
-The fast paths, each beside the reference it is tested against (tests/test_rope.py, tests/test_model.py):
-  rope_fused             Q and K rotated by one Triton launch (CUDA; the interpreter on CPU in tests);
-                         the eager reference is model.rope_reference
+The fast paths, each tested against a reference (tests/test_rope.py, tests/test_model.py):
+  rope_fused             Q and K rotated by one Triton launch; the eager reference is model.rope_reference
   chunked_cross_entropy  the LM head + loss over chunks of tokens: the (T, vocab) logits never exist
   chunked_logprobs       the same for per-token log-probs (DPO), the backward recomputing each chunk
 """
@@ -56,8 +55,7 @@ if HAS_TRITON:
         _rotate_tile(q_ptr, q_out_ptr, q_stride_t, q_stride_h, n_q_head, tok, cos, sin, HQ_PAD, HALF)
         _rotate_tile(k_ptr, k_out_ptr, k_stride_t, k_stride_h, n_kv_head, tok, cos, sin, HKV_PAD, HALF)
 
-    # A custom op, so torch.compile(dynamic=True) keeps it inside a compiled block's graph with a symbolic T;
-    # custom_op rather than triton_op, whose kernel tracing cannot run under TRITON_INTERPRET=1 (the CPU test).
+    # a custom op stays in a torch.compile(dynamic=True) graph with a symbolic T; triton_op fails under TRITON_INTERPRET
     @torch.library.custom_op("nanopack::rope", mutates_args=())
     def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  position_ids: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -136,10 +134,10 @@ def _chunk_grads(logp, h, w, targets, scale, dtype):
     return g @ w[:g.shape[1]], (g.t() @ h).float()
 
 
-def _select(h, targets):
+def _select(h, w, targets, dtype):
     # positions without a target skip the head entirely (e.g. prompt tokens in SFT); nonzero syncs once
     idx = (targets != IGNORE_INDEX).nonzero().squeeze(1)
-    return idx, h.index_select(0, idx), targets.index_select(0, idx)
+    return idx, h.index_select(0, idx).to(dtype), w.to(dtype), targets.index_select(0, idx)
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
@@ -150,8 +148,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, w, targets, vocab_size, weights, need_grad):
         dtype = _compute_dtype(h)
         with torch.autocast(h.device.type, enabled=False):
-            idx, hs, ts = _select(h, targets)
-            hs, wc = hs.to(dtype), w.to(dtype)
+            idx, hs, wc, ts = _select(h, w, targets, dtype)
             ws = None if weights is None else weights.index_select(0, idx).float()
             loss = torch.zeros((), device=h.device, dtype=torch.float32)
             if need_grad:
@@ -184,8 +181,7 @@ class ChunkedLogprobs(torch.autograd.Function):
     def forward(ctx, h, w, targets, vocab_size):
         dtype = _compute_dtype(h)
         with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            idx, hs, ts = _select(h, targets)
-            hs, wc = hs.to(dtype), w.to(dtype)
+            idx, hs, wc, ts = _select(h, w, targets, dtype)
             out = torch.zeros(h.shape[0], device=h.device, dtype=torch.float32)
             for s in range(0, hs.shape[0], LOSS_CHUNK):
                 out[idx[s:s + LOSS_CHUNK]] = _chunk_logprobs(hs[s:s + LOSS_CHUNK], wc, ts[s:s + LOSS_CHUNK],
@@ -198,8 +194,7 @@ class ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_out):
         h, w, targets = ctx.saved_tensors
         with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            idx, hs, ts = _select(h, targets)
-            hs, wc = hs.to(ctx.dtype), w.to(ctx.dtype)
+            idx, hs, wc, ts = _select(h, w, targets, ctx.dtype)
             grad_hs = torch.empty_like(hs)
             grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
             scales = -grad_out.index_select(0, idx).float()  # d log p = -d(-log p)

@@ -66,9 +66,8 @@ class MetricsLogger:
 
 
 class Throughput:
-    """What a log window did, for honest speed figures: real tokens (padding excluded), padding, positions,
-    FLOPs from the actual sequence lengths, time spent waiting for data. Counted on the host; summed over
-    ranks in one collective by read(), which also carries the script's own sums along."""
+    """What a log window did: real tokens, padding, positions, FLOPs from the actual sequence lengths, time waiting
+    for data. Counted on the host; read() sums them over ranks in one collective, the script's own sums with them."""
 
     def __init__(self, model, device, world_size, flops_factor=1.0):
         self.model, self.device, self.world_size = model, device, world_size
@@ -101,7 +100,7 @@ class Throughput:
             mfu=flops / elapsed / (self.peak * self.world_size) if self.peak else None,
             padding_fraction=padding / max(positions, 1),
             peak_mem_gb=(torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
-                         else peak_rss_bytes()) / 2**30,
+                         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,  # Linux: KiB
             data_time_frac=data_time / self.world_size / elapsed, time_ms=1000 * elapsed / n_steps,
             compiled_graphs=counters["stats"]["unique_graphs"])  # recompiles show here: bounded, not one per step
         return metrics, extra
@@ -125,10 +124,6 @@ class Timer:
             torch.cuda.synchronize(self.device)
         t, self.t0 = time.perf_counter() - self.t0, time.perf_counter()
         return t
-
-
-def peak_rss_bytes():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
 def format_eta(seconds):

@@ -7,14 +7,10 @@ Several sequences are concatenated into one stream of T tokens with no padding:
   cu_seqlens   (N+1,)  int32 sequence boundaries: sequence i is [cu_seqlens[i], cu_seqlens[i+1])
   max_seqlen   int     the longest sequence (the attention kernels want it on the host)
 Attention never crosses a boundary, so the stream computes exactly what N separate padded rows would.
-Optionally kv = (kv_index, cu_seqlens_k, max_seqlen_k): keys and values come from k[kv_index], a stream of
-their own, so a query segment may also attend to tokens outside it (a reply attends to its prompt, laid out
-once: see packing.py). Causal attention is then aligned at the bottom right: a segment's last query sees all
-of its keys.
-
-Top to bottom: config + presets, RMSNorm, RoPE, attention (one dispatch over the varlen backends), MLP, Block,
-Transformer, FLOPs per token. The fused kernels are in kernels.py, Hugging Face I/O in hf.py, the KV cache
-in generate.py.
+Optional kv = (kv_index, cu_seqlens_k, max_seqlen_k): keys and values are k[kv_index], a stream of their own, so a
+segment may attend to tokens outside it (a reply to its prompt, laid out once: packing.py); causal attention is then
+aligned at the bottom right, a segment's last query seeing all of its keys.
+The fused kernels are in kernels.py, Hugging Face I/O in hf.py, the KV cache in generate.py.
 """
 import inspect
 import math
@@ -37,7 +33,7 @@ except ImportError:
 try:
     from torch.nn.attention.varlen import varlen_attn
     if not {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters):
-        varlen_attn = None  # torch 2.9-2.11 took is_causal instead: the flash_attn or SDPA path is used there
+        varlen_attn = None  # an older signature (is_causal): flash_attn or SDPA is used instead
 except ImportError:
     varlen_attn = None
 
@@ -80,8 +76,7 @@ class ModelConfig:
         assert not self.qk_norm or self.arch == "qwen3", "qk_norm needs arch='qwen3'"
         assert not self.nope_layers or self.arch == "smollm3", "nope_layers needs arch='smollm3'"
         self.nope_layers = tuple(self.nope_layers)  # a list (JSON, a config file) too: equal configs compare equal
-        # Embedding/head rows padded to a multiple of 64 keep the head matmul on fast tile sizes;
-        # the extra rows are zero, never indexed by a token, and cut off before any softmax.
+        # vocab rows padded to a multiple of 64 keep the head matmul on fast tiles: zero, never indexed, cut off
         self.padded_vocab_size = -(-self.vocab_size // 64) * 64
 
 
@@ -121,7 +116,6 @@ def config_from_preset(name, **overrides):
 # -----------------------------------------------------------------------------
 # RMSNorm
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -137,7 +131,6 @@ class RMSNorm(nn.Module):
 
 # -----------------------------------------------------------------------------
 # RoPE: inverse frequencies (with Llama-3 / linear scaling), the eager reference, dispatch to the fused kernel
-
 
 def rope_inv_freq(config):
     dim, base = config.head_dim, config.rope_theta
@@ -192,22 +185,16 @@ def apply_rope(q, k, cos, sin, position_ids):
 # -----------------------------------------------------------------------------
 # Attention over a packed stream: one dispatch function, backend chosen once per device type
 
-
 _ATTN_BACKEND = {}  # device type -> backend name; tests may set it to force a backend
 
 
 def attention_backend(device, dtype):
     if device.type not in _ATTN_BACKEND:
-        if device.type == "cuda" and flash_attn_varlen_func is not None:
-            name = "flash_attn"
-        elif device.type == "cuda" and varlen_attn is not None:
-            name = "torch_varlen"
-        else:
-            name = "sdpa"
-        _ATTN_BACKEND[device.type] = name
-    name = _ATTN_BACKEND[device.type]
+        cuda = device.type == "cuda"
+        _ATTN_BACKEND[device.type] = ("flash_attn" if cuda and flash_attn_varlen_func is not None else
+                                      "torch_varlen" if cuda and varlen_attn is not None else "sdpa")
     # the flash kernels take half precision only; a float32 run (e.g. a parity test) uses the exact fallback
-    return name if dtype in (torch.float16, torch.bfloat16) else "sdpa"
+    return _ATTN_BACKEND[device.type] if dtype in (torch.float16, torch.bfloat16) else "sdpa"
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_seqlens_k=None, max_seqlen_k=None):
@@ -228,16 +215,15 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_se
 
 @torch.compiler.disable  # a Python loop over a data-dependent number of sequences: run eagerly, never traced
 def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=None):
-    """Exact fallback for any device: one SDPA call per sequence, so memory is O(max L^2), not O(T^2).
-    The Python loop and .tolist() sync are fine on CPU; CUDA uses the varlen kernels above.
-    K/V heads are repeated for GQA here: SDPA's enable_gqa falls to a math path ~30x slower on CPU."""
+    """Exact fallback for any device: one SDPA call per sequence, so memory is O(max L^2), not O(T^2); the loop and
+    its .tolist() sync are fine on CPU. K/V are repeated for GQA: SDPA's enable_gqa takes a slow math path on CPU."""
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # split, not slicing in the loop: the backward of split is one cat, a slice's is a zero (T, H, D) each
     lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
     k_lens = lens if cu_seqlens_k is None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
     outs = []
-    # 4-D (1, H, L, D): with 3-D inputs CPU SDPA takes its math path (2.5x slower, O(L^2) memory), not flash
+    # 4-D (1, H, L, D): with 3-D inputs CPU SDPA takes its slower math path (O(L^2) memory), not flash
     for qi, ki, vi in zip(q.split(lens), k.split(k_lens), v.split(k_lens)):
         qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
         Lq, Lk = qi.shape[2], ki.shape[2]
@@ -288,7 +274,6 @@ class Attention(nn.Module):
 # -----------------------------------------------------------------------------
 # MLP and Block
 
-
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -316,7 +301,6 @@ class Block(nn.Module):
 # -----------------------------------------------------------------------------
 # The model
 
-
 class Transformer(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -334,8 +318,7 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def init_weights(self):
-        # GPT-2 style: N(0, 0.02), with the residual-branch outputs scaled down by sqrt(2 * n_layer) so
-        # the residual stream's variance does not grow with depth at init.
+        # GPT-2 style N(0, 0.02), residual-branch outputs scaled by 1/sqrt(2 * n_layer): variance stays flat in depth
         std = 0.02
         for name, p in self.named_parameters():
             if name.endswith("bias"):
@@ -388,17 +371,15 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, targets=None,
                 loss_weights=None, logprobs=False, logits_at=None, cache=None, target_rows=None, kv=None):
-        """targets (T,): the token each position must predict, IGNORE (-100) where none (the packer builds
-        them, already shifted and cut at sequence boundaries); or, with target_rows (K,), the token hidden row
-        target_rows[i] must predict (a row may predict several: a shared prompt's last one, see packing.py).
-        kv: the optional separate key/value stream (module docstring). Three uses, all through forward so that the
-        DDP / FSDP2 wrappers' hooks run (gradient sync, parameter all-gathers):
+        """Three uses, all through forward so that the DDP / FSDP2 wrappers' hooks run (gradient sync, all-gathers):
           targets:                 (summed cross-entropy float32, number of targets), without full logits;
                                    loss_weights (T,) weights each position's loss (e.g. 1/len per sequence)
           targets, logprobs=True:  (T,) float32 log p(targets[t]) per position, 0 where ignored (DPO)
           no targets:              logits (T, vocab_size), or only at the rows logits_at (generation)
-        cache (generate.KVCache; no gradients): the first call is a prefill of whole prompts, each later
-        call brings one new token per sequence at its position, max_seqlen counting the cached tokens too."""
+        targets (T,): the token each position must predict, IGNORE (-100) where none (packing.py shifts them); with
+        target_rows (K,), the token hidden row target_rows[i] must predict (a shared prompt's last row predicts two).
+        kv: the key/value stream of the module docstring. cache (generate.KVCache; no gradients): a prefill of whole
+        prompts, then one new token per sequence per call, max_seqlen counting the cached tokens too."""
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv, cache)
         if target_rows is not None:
             h = h.index_select(0, target_rows)  # (K, d): the gradient of a row used twice is summed
@@ -410,20 +391,17 @@ class Transformer(nn.Module):
             return chunked_logprobs(h, w, targets, V)
         return chunked_cross_entropy(h, w, targets, V, loss_weights)
 
-
     def flops_per_token(self, seq_lens, head_tokens=None, key_lens=None):
-        """Training FLOPs (forward + backward) per real token of a packed batch with these sequence lengths.
-        6 per matmul parameter per token (2 forward, 4 backward; 4 if frozen), plus causal attention from the
-        *actual* lengths: QK^T and AV cost 4*L^2*H*D forward per layer for full attention, half of that causal,
-        times 3 for fwd+bwd -> 6 * n_layer * H * D * sum(L^2) / sum(L). Embedding lookups are not matmuls.
-        The LM head only runs on target tokens; pass head_tokens to count it there alone. key_lens: a query
-        segment of Lq tokens over Lk keys (bottom-right causal, prefix sharing) scores Lq * (2 Lk - Lq) / 2 pairs."""
+        """Training FLOPs per real token of a packed batch with these sequence lengths: 6 per matmul parameter
+        (2 forward, 2 input gradient, 2 weight gradient if it trains), plus causal attention from the *actual*
+        lengths, 6 * n_layer * H * D * sum(L^2) / sum(L) (QK^T and AV: 4*L^2*H*D, halved by the mask, x3 with backward).
+        Lookups are no matmuls; head_tokens counts the LM head on target tokens alone. key_lens: Lq queries over Lk
+        keys (bottom-right causal, prefix sharing) score Lq * (2 Lk - Lq) / 2 pairs."""
         cfg = self.config
         lens = torch.as_tensor(seq_lens, dtype=torch.float64)
         n_tokens = float(lens.sum())
         keys = lens if key_lens is None else torch.as_tensor(key_lens, dtype=torch.float64)
         scored = lens * (2 * keys - lens)  # L^2 where Lk = Lq
-        # 2 forward + 2 backward (input gradient) per parameter, + 2 for its weight gradient if it trains
         per_param = lambda p: p.numel() * (6 if p.requires_grad else 4)
         head = cfg.d_model * cfg.vocab_size * per_param(self.head_weight()) / self.head_weight().numel()
         tables = {id(self.embed_tokens.weight), id(self.head_weight())}  # a lookup is no matmul; the head: above
@@ -431,5 +409,3 @@ class Transformer(nn.Module):
         head_share = 1.0 if head_tokens is None else head_tokens / n_tokens
         attn = 6 * cfg.n_layer * cfg.n_head * cfg.head_dim * float(scored.sum()) / n_tokens
         return trunk + head * head_share + attn
-
-

@@ -4,15 +4,13 @@ long, cu_seqlens marking the boundaries attention never crosses: nothing padded,
 
 Data (data/prepare.py): ids (M,) all tokens; offsets (N+1,), example i is ids[offsets[i]:offsets[i+1]];
 loss_mask (M,), 1 on the tokens to learn. DPO: examples 2p and 2p+1 are pair p's chosen and rejected.
-
 The label shift happens here, once: targets[t] is the token position t must predict (the next one, if trained and
 in the same sequence, else IGNORE_INDEX); the model knows nothing of shifting or boundaries.
 
-DPO prefix sharing: a pair whose sequences start with the same P tokens (the prompt) is laid out
-`prompt | chosen rest | rejected rest`, positions 0..P-1 | P.. | P..: the prompt is computed once, and the rejected
-rest attends to it through a key/value stream of its own (kv_index: each sequence's rows in order, the prompt's
-twice; cu_seqlens_k). The prompt's last row then predicts two tokens, so DPO targets are (row, token, sequence)
-triples: target_rows, targets, seq_ids.
+DPO prefix sharing: a pair whose sequences start with the same P tokens (the prompt) is laid out `prompt | chosen
+rest | rejected rest` (positions 0..P-1 | P.. | P..): the prompt is computed once, the rejected rest attending to it
+through a key/value stream of its own (kv_index: each sequence's rows, the prompt's twice; cu_seqlens_k). The
+prompt's last row then predicts two tokens, so DPO targets are triples (target_rows, targets, seq_ids).
 """
 import heapq
 from bisect import bisect_left, insort
@@ -25,10 +23,9 @@ IGNORE_INDEX = -100  # target value that contributes no loss (Hugging Face conve
 
 
 def pack(lengths, token_budget):
-    """Best-fit-decreasing: put each item, longest first, into the open bin whose free space is
-    the smallest that still fits it. Returns bins of item indices (bins in the order they were
-    opened, items in a bin longest first); every index appears exactly once, no bin holds more
-    than token_budget. Deterministic: ties keep input order."""
+    """Best-fit-decreasing: put each item, longest first, into the open bin whose free space is the smallest that
+    still fits it. Returns bins of item indices (in the order opened, items longest first); every index appears
+    exactly once, no bin holds more than token_budget. Deterministic: ties keep input order."""
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     bad = np.flatnonzero((lengths <= 0) | (lengths > token_budget))
     if bad.size:
@@ -42,9 +39,7 @@ def pack(lengths, token_budget):
     bins = []     # bins[b] = item indices in bin b
     spaces = []   # sorted distinct free-space values that some open bin has: bisect finds best fit
     bins_with = {}  # free space -> stack of bin ids with exactly that much room
-    # Free space is an integer <= token_budget, so the sorted list has at most token_budget entries
-    # and its bisect/insort run in C: ~0.5-1 s per 1M items, where a pure-Python Fenwick tree over
-    # free-space values took ~3 s.
+    # free space is an integer <= token_budget: `spaces` stays short, and bisect/insort run in C
     for i, n in zip(order.tolist(), lengths[order].tolist()):
         k = bisect_left(spaces, n)
         if k == len(spaces):  # no open bin has room: open a new one
@@ -84,10 +79,9 @@ def shared_prefixes(data):
 
 @dataclass
 class PackedBatch:
-    """One packed micro-batch: N whole sequences back to back (a filler, N = 0, is one dummy token).
-    Targets come in one of two forms: SFT, one per position (target_rows None, targets and seq_ids (T,));
-    DPO, one triple per trained token (target_rows, targets, seq_ids (K,)). Either way sequence_sums() adds
-    per-target values up per sequence."""
+    """One packed micro-batch: N whole sequences back to back (a filler, N = 0, is one dummy token). Targets: SFT,
+    one per position (target_rows None, targets and seq_ids (T,)); DPO, one triple per trained token (target_rows,
+    targets, seq_ids (K,)). Either way sequence_sums() adds per-target values up per sequence."""
     input_ids: torch.Tensor        # (T,) long
     targets: torch.Tensor          # (T,) the next token where it is trained, else IGNORE_INDEX; DPO (K,) tokens
     target_rows: object            # None, or DPO (K,) long: the hidden row that predicts targets[i]
@@ -200,25 +194,22 @@ class Step:
 class PackedLoader:
     """Yields one Step per optimizer step, forever (epochs roll over; len() = steps per epoch).
 
-    Step k of epoch e holds the units (examples; DPO: pairs) perm[k*B:(k+1)*B] of a permutation seeded by
-    (seed, e): a step's data never depends on world_size or microbatch_tokens, so 1 GPU and 8 train on the same
-    data and a run resumes on another number of GPUs. An epoch's last partial step is a smaller step. Each rank
-    takes a near-equal share of the step's tokens, packed best-fit-decreasing into micro-batches.
+    Step k of epoch e holds the units (examples; DPO: pairs) perm[k*B:(k+1)*B] of a permutation seeded by (seed, e):
+    a step's data never depends on world_size or microbatch_tokens, so 1 GPU and 8 train on the same data and a run
+    resumes on another number of GPUs. An epoch's last partial step is a smaller step. Each rank takes a near-equal
+    share of the step's tokens, packed best-fit-decreasing into micro-batches.
 
-    Every rank gets as many micro-batches (DDP and FSDP collectives hang otherwise): a rank with fewer gets filler
-    micro-batches, no real tokens and no targets, whose loss still touches the parameters. The script syncs
-    gradients on the last one and divides each micro-batch's summed loss by the step's global count
-    (num_target_tokens for SFT, num_pairs for DPO), times world_size where gradients are averaged over ranks.
-
-    Resuming: state_dict() is the state after the last step returned (or step.state of a step in hand).
-    """
+    Every rank gets as many micro-batches (DDP and FSDP collectives hang otherwise): a rank with fewer gets fillers,
+    no real tokens or targets, whose loss still touches the parameters. The script syncs gradients on the last one and
+    divides each summed loss by the step's global count (num_target_tokens for SFT, num_pairs for DPO), times
+    world_size where gradients are averaged over ranks. Resuming: state_dict() is the state after the last step
+    returned (or step.state of a step in hand)."""
 
     def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0,
                  dpo=False, prefix_sharing=False):
         assert 0 <= rank < world_size and batch_size >= 1
         self.data, self.batch_size, self.microbatch_tokens = data, batch_size, microbatch_tokens
-        self.rank, self.world_size, self.seed = rank, world_size, seed
-        self.dpo = dpo
+        self.rank, self.world_size, self.seed, self.dpo = rank, world_size, seed, dpo
         offsets = np.asarray(data["offsets"], dtype=np.int64)
         seqlens = np.diff(offsets)  # (N,)
         if (seqlens <= 0).any():
@@ -238,12 +229,10 @@ class PackedLoader:
         too_long = np.flatnonzero(self.lengths > microbatch_tokens)
         if too_long.size:
             u, what = int(too_long[0]), "pair" if dpo else "example"
-            raise ValueError(
-                f"{what} {u} has {int(self.lengths[u])} tokens, over microbatch_tokens="
-                f"{microbatch_tokens} ({too_long.size} such); raise microbatch_tokens to at least "
-                f"{int(self.lengths.max())} or re-prepare the data with a smaller max length")
-        n = len(self.lengths)
-        self.steps_per_epoch = -(-n // batch_size)
+            raise ValueError(f"{what} {u} has {int(self.lengths[u])} tokens, over microbatch_tokens="
+                             f"{microbatch_tokens} ({too_long.size} such); raise microbatch_tokens to at least "
+                             f"{int(self.lengths.max())} or re-prepare the data with a smaller max length")
+        self.steps_per_epoch = -(-len(self.lengths) // batch_size)
         self.epoch, self.step = 0, 0
         self._perm_epoch, self._perm = None, None
 

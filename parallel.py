@@ -13,9 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 
 def setup_distributed(device="auto", timeout_s=300):
-    """torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python script.py` is rank 0 of 1.
-    Returns (rank, world_size, device). CUDA uses NCCL, CPU uses gloo (so tests run without a GPU).
-    A collective that waits longer than timeout_s (a stalled or dead rank) fails instead of hanging."""
+    """-> (rank, world_size, device): torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python script.py` is rank 0
+    of 1. NCCL on CUDA, gloo on CPU; a collective waiting past timeout_s (a dead rank) fails instead of hanging."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device == "auto":
@@ -31,7 +30,7 @@ def setup_distributed(device="auto", timeout_s=300):
 
 def teardown_distributed():
     if dist.is_initialized():
-        dist.barrier()  # no rank tears down while another still talks to it (seen: an abort at exit under gloo)
+        dist.barrier()  # no rank tears down while another still talks to it (gloo aborts at exit)
         dist.destroy_process_group()
 
 
@@ -81,9 +80,8 @@ def sync_gradients(model, enabled):
 
 
 def precision(device, dtype, parallel, world_size):
-    """-> (dtype name, torch dtype, autocast context). 'auto' is bfloat16 on CUDA, float32 elsewhere.
-    DDP / one process: float32 master weights and bf16 autocast; FSDP2 casts through its mixed-precision
-    policy instead (see wrap_model), so no autocast there."""
+    """-> (dtype name, torch dtype, autocast context). 'auto' is bfloat16 on CUDA, float32 elsewhere. DDP / one
+    process: float32 master weights and autocast; FSDP2: no autocast, its mixed-precision policy casts (wrap_model)."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     ptdtype = getattr(torch, dtype)

@@ -4,10 +4,9 @@ Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line pe
     python plot.py out/sft out/dpo                 # writes runs.png
     python plot.py out/dpo --out=dpo.png
 
-Panels: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in task: the share of
-greedy replies in the plain style, no filler); and for DPO runs the reward margin and the log-probs of chosen and
-rejected responses (watch logps_chosen: if it falls with logps_rejected, the policy is displacing likelihood, not
-preferring). A DPO run's steps are drawn after the SFT run's, so the two read as one timeline.
+Panels: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in task: greedy replies in
+the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected responses (if logps_chosen
+falls with logps_rejected, the policy is displacing likelihood, not preferring). Each run's steps follow the last's.
 """
 
 import json

@@ -3,19 +3,18 @@ The built-in dataset: short arithmetic chats, generated deterministically, so th
 `python train_dpo.py` run offline with nothing to download.
 
     system:    Be concise.                      (in about 1 conversation out of 3)
-    user:      What is 37+48?
-    assistant: 37+48 = 85                       (the "plain" style: the equation and its result)
+    user:      What is 23+17?
+    assistant: 23+17 = 40                       (the "plain" style: the equation and its result)
     user:      Now subtract 9 from that.        (follow-ups reuse the previous answer)
-    assistant: Sure! 85-9 = 76                  (the "chatty" style: a filler word first)
+    assistant: Sure! 40-9 = 31                  (the "chatty" style: a filler word first)
 
-1 to 4 turns, several phrasings (25 to 300 bytes). A hash of its text puts each conversation in train or val; the
-arithmetic facts come from one finite table shared by both, so held-out accuracy measures the chat task and its
-table, not arithmetic on unseen numbers (which a ~1M-parameter model does not learn in minutes on a CPU).
-The two styles are mixed at random in the SFT data: what SFT leaves unspecified, which preference tuning is for.
-DPO pairs: the prompt up to the last question; chosen, the right answer in the plain style; rejected, in 3 pairs of
-4 the right answer in the chatty style, else a plausible wrong answer in the plain style (so moving towards the
-style does not move away from being right). evaluate() answers val prompts greedily: exact-match accuracy
-(score()) and the preferred-behaviour rate (the share of plain replies, preferred()).
+1 to 4 turns, several phrasings. A hash of its text puts each conversation in train or val; both draw on one finite
+table of arithmetic facts, so held-out accuracy measures the chat task, not arithmetic on unseen numbers.
+SFT mixes the two styles at random: which one to prefer is left to preference tuning. DPO pairs: the prompt up to
+the last question; chosen, the right answer in the plain style; rejected, in 3 pairs of 4 the right answer in the
+chatty style, else a plausible wrong answer in the plain style (so moving towards the style does not move away from
+being right). evaluate() answers val prompts greedily: exact-match accuracy (score()) and the preferred-behaviour
+rate (the share of plain replies, preferred()).
 
     python data/arithmetic.py    # print a few examples
 """
@@ -57,8 +56,7 @@ def is_val(messages):
 
 
 def draw_problem(rng, prev):
-    """-> (a, op, b, follow_up); a follow-up continues from the previous answer. The ranges at the top set
-    the difficulty: a table small enough for the ~1.1M-parameter toy model to learn in minutes on a CPU."""
+    """-> (a, op, b, follow_up). The ranges at the top keep the table small enough for the toy model to learn."""
     while True:
         op = rng.choice("+-*")
         follow_up = prev is not None and rng.random() < 0.4 and (op != "*" or prev <= MAX_FOLLOW_MUL)
