@@ -95,7 +95,7 @@ def load_checkpoint(path):
 def checkpoint_model(ckpt_path, device="cpu"):
     """(Transformer with the checkpoint's weights, the checkpoint's small part): for sample.py and tests."""
     ckpt = load_checkpoint(ckpt_path)
-    if ckpt["config"].get("lora_rank"):
+    if ckpt.get("config", {}).get("lora_rank"):
         raise SystemExit(f"{ckpt_path} holds LoRA adapters only, not a whole model: use the run's merged export "
                          f"{os.path.join(os.path.dirname(ckpt_path), 'hf')} (or resume the run to finish it)")
     with torch.device("meta"):

@@ -202,7 +202,7 @@ def build_model(model_config, start, seed, device, parallel, world_size, param_d
             lora.add_adapters(raw_model, adapters["rank"], adapters["alpha"], adapters["dropout"], adapters["targets"])
             if adapters["quantize"]:
                 lora.quantize_base(raw_model)
-            elif param_dtype != torch.float32 and not sharded:  # FSDP2 casts through its mixed-precision policy
+            if param_dtype != torch.float32 and not sharded:  # FSDP2 casts through its mixed-precision policy
                 lora.cast_base(raw_model, param_dtype)
         if not (from_files and sharded):  # DDP broadcasts rank 0's weights when it wraps: they must exist by then
             raw_model.to_empty(device=device) if from_files else raw_model.to(device)

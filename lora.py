@@ -82,6 +82,11 @@ def adapted(model):
     return [m for m in model.modules() if isinstance(m, LoRALinear)]
 
 
+def adapter_parameters(model):
+    """(name, parameter) of the adapters: all that trains, and all a PEFT folder holds."""
+    return [(n, p) for n, p in model.named_parameters() if n.endswith(("lora_A", "lora_B"))]
+
+
 def base_parameters(model):
     """(name, parameter) of everything but the adapters: what a Hugging Face folder fills."""
     return [(n, p) for n, p in model.named_parameters() if not n.endswith(("lora_A", "lora_B"))]
@@ -105,7 +110,7 @@ def quantize_base(model, block_size=64, scaler_block_size=256):
     try:
         from torchao.quantization import to_nf4
     except ImportError:
-        raise SystemExit("quantize_base='nf4' needs torchao: pip install torchao") from None
+        raise ImportError("quantize_base='nf4' needs torchao: pip install torchao") from None
     kept = []
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
@@ -122,9 +127,9 @@ def quantize_base(model, block_size=64, scaler_block_size=256):
 @torch.no_grad()
 def cast_base(model, dtype):
     """The frozen matrices in the compute dtype (bf16: half of float32's memory; nothing of them trains, so no
-    float32 master copy is needed), the embedding table excepted: it sets the residual stream's dtype."""
+    float32 master copy is needed), the embedding table (it sets the residual stream's dtype) and NF4 ones excepted."""
     for name, p in model.named_parameters():
-        if not p.requires_grad and p.dim() == 2 and name != "embed_tokens.weight":
+        if not p.requires_grad and p.dim() == 2 and name != "embed_tokens.weight" and not hasattr(p, "quantized_data"):
             p.data = p.data.to(dtype)
 
 
@@ -151,10 +156,9 @@ def save_adapter(model, path, base_model_name_or_path, rank, alpha, dropout, tar
     from safetensors.torch import save_file
     import torch.distributed as dist
     tensors = {}
-    for name, p in model.named_parameters():
-        if name.endswith(("lora_A", "lora_B")):
-            full = p.full_tensor() if hasattr(p, "full_tensor") else p
-            tensors[f"base_model.model.model.{name}.weight"] = full.detach().cpu().contiguous()
+    for name, p in adapter_parameters(model):
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        tensors[f"base_model.model.model.{name}.weight"] = full.detach().cpu().contiguous()
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     os.makedirs(path, exist_ok=True)
