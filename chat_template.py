@@ -1,11 +1,16 @@
 """
-Chat templates: which text a conversation becomes, in the model's own format.
+Chat templates: the text a conversation becomes, and which of it is trained.
 
-A folder's own template (chat_template.jinja, else tokenizer_config.json "chat_template") is compiled as transformers
-compiles it: a sandboxed jinja2 environment with the same settings, filters and globals, and tokenizer_config.json's
-special tokens (bos_token, eos_token, ...) as variables. A tokenizer without one (and the byte-level toy tokenizer)
-uses a built-in format: "simple", "llama3" or "chatml" (TEMPLATES). Tokenizer.render (tokenizer.py) renders them.
+A folder's own template (chat_template.jinja, else tokenizer_config.json "chat_template") is compiled and rendered as
+transformers does: a sandboxed jinja2 environment with its settings, filters and globals, and tokenizer_config.json's
+special tokens as variables. Without one (and for the byte-level tokenizer) a built-in format is used (TEMPLATES).
+
+Trained (loss mask 1): an assistant message's content as the template writes it, and the special token right after it
+with only whitespace between (the end of the turn); all else is 0 (bos, headers, default system prompts, system and
+user turns, Qwen3's empty <think></think> block). A reply is found by rendering again with it replaced by a character
+the text lacks: the two renderings differ exactly there. Tokenizer.render turns the text and spans into ids and mask.
 """
+import hashlib
 import json
 import os
 from datetime import datetime
@@ -24,15 +29,13 @@ TEMPLATES = {
 }
 ROLES = ("system", "user", "assistant")
 # the variables transformers passes every chat template (its special_tokens_map)
-TEMPLATE_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                      "mask_token")
-
+TEMPLATE_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
 def read_chat_template(folder, config):
-    """The folder's own chat template as transformers picks it: chat_template.jinja, else
-    tokenizer_config.json's "chat_template" (a string, or named templates of which "default" is used)
-    -> (source, variables, where) or None. variables: the special tokens the template may use."""
+    """The folder's own chat template as transformers picks it: chat_template.jinja, else tokenizer_config.json's
+    "chat_template" (a string, or named templates of which "default" is used) -> (source, variables, where) or None.
+    variables: the special tokens the template may use."""
     where = os.path.join(folder, "chat_template.jinja")
     if os.path.exists(where):
         with open(where, encoding="utf-8") as f:
@@ -43,14 +46,13 @@ def read_chat_template(folder, config):
         if isinstance(source, list):
             named = {t.get("name"): t.get("template") for t in source if isinstance(t, dict)}
             if "default" not in named:
-                raise ValueError(f"{where}: named templates {sorted(map(str, named))} and none called "
-                                 f"'default', so it is not clear which one to use")
+                raise ValueError(f"{where}: named templates {sorted(map(str, named))} and none called 'default', "
+                                 f"so it is not clear which one to use")
             source = named["default"]
         if source is None:
             return None
         if not isinstance(source, str):
-            raise ValueError(f"{where}: a {type(source).__name__}, not a template string or a list of "
-                             f"named templates")
+            raise ValueError(f"{where}: a {type(source).__name__}, not a template string or a list of named templates")
     variables = {k: token_text(config[k]) for k in TEMPLATE_VARIABLES if config.get(k) is not None}
     return source, variables, where
 
@@ -65,9 +67,9 @@ class GenerationBlock(jinja2.ext.Extension):
 
 
 def compile_chat_template(source, where):
-    """A chat template compiled the way transformers compiles it (chat_template_utils.py): a sandbox
-    that cannot reach Python internals, trim_blocks + lstrip_blocks, {% break %}/{% continue %}, and
-    the globals raise_exception / strftime_now and a tojson that does not escape HTML."""
+    """A chat template compiled the way transformers compiles it (chat_template_utils.py): a sandbox that cannot
+    reach Python internals, trim_blocks + lstrip_blocks, {% break %}/{% continue %}, and the globals raise_exception /
+    strftime_now and a tojson that does not escape HTML."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols, GenerationBlock])
 
@@ -75,8 +77,7 @@ def compile_chat_template(source, where):
         raise jinja2.exceptions.TemplateError(message)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -84,9 +85,57 @@ def compile_chat_template(source, where):
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:  # also an unknown tag or filter: a feature we do not provide
-        raise ValueError(f"{where}: line {e.lineno}: {' '.join(str(e.message).split())} (nanopack "
-                         f"compiles templates as transformers does: jinja2 with loopcontrols, tojson, "
-                         f"raise_exception, strftime_now)") from None
+        raise ValueError(f"{where}: line {e.lineno}: {' '.join(str(e.message).split())} (nanopack compiles "
+                         f"templates as transformers does: jinja2 with loopcontrols, tojson, raise_exception, "
+                         f"strftime_now)") from None
+
+
+class ChatTemplate:
+    """A folder's own template, (source, variables, where) as read_chat_template gives them: compiled, rendered
+    with the arguments transformers gives it, and searched for the replies it writes."""
+
+    def __init__(self, source, variables, where):
+        self.source, self.variables, self.where = source, variables, where
+        self.jinja = compile_chat_template(source, where)
+        # caches of tokenized data and reference log-probs are keyed by the template's text, not its name
+        digest = hashlib.sha256(json.dumps([source, variables], sort_keys=True, default=str).encode()).hexdigest()
+        self.id = f"model-{digest[:12]}"
+
+    def render(self, messages, add_generation_prompt=False):
+        try:
+            return self.jinja.render(messages=messages, tools=None, documents=None,
+                                     add_generation_prompt=add_generation_prompt, **self.variables)
+        except jinja2.TemplateError as e:  # raise_exception(...) in the template, an undefined name, ...
+            raise ValueError(f"{self.where}: the template cannot render this conversation: "
+                             f"{' '.join(str(e).split())}") from None
+
+    def reply_spans(self, text, messages, add_generation_prompt, trained_from, mark):
+        """(start, end) in text (messages rendered) of each assistant reply from message trained_from on: where
+        a rendering with its content replaced by mark, a character text lacks, differs from text."""
+        spans = []
+        for i, m in enumerate(messages):
+            if m["role"] != "assistant" or i < trained_from:
+                continue
+            other = self.render(messages[:i] + [dict(m, content=mark)] + messages[i + 1:], add_generation_prompt)
+            if mark not in other:
+                continue  # the template does not write this reply
+            start = common_prefix_len(text, other)
+            end = max(start, len(text) - common_prefix_len(text[::-1], other[::-1]))
+            if spans and start < spans[-1][1]:
+                raise ValueError(f"{self.where}: the template does not write the replies once each and in order, "
+                                 f"so the trained tokens cannot be told apart")
+            spans.append((start, end))
+        return spans
+
+    def end_of_turn(self, special_re):
+        """The special token (special_re matches them) the template writes right after an assistant reply."""
+        mark = "\ue000"
+        text = self.render([dict(role="user", content="Hi"), dict(role="assistant", content=mark)])
+        eot = special_re.search(text, text.find(mark) + 1) if mark in text else None
+        if eot is None:
+            raise ValueError(f"{self.where}: the template writes no special token after an assistant reply, so "
+                             f"nanopack cannot tell where a turn ends")
+        return eot.group()
 
 
 def guess_template(special_tokens, where):
@@ -102,3 +151,11 @@ def guess_template(special_tokens, where):
 def token_text(token):
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
     return token.get("content") if isinstance(token, dict) else token
+
+
+def common_prefix_len(a, b):
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:  # halving, so that the comparing runs in C
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
+    return lo

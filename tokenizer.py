@@ -2,38 +2,28 @@
 Tokenizers, tiktoken underneath. Three ways to get one, all offline:
   Tokenizer.byte_level()    256 byte tokens + 5 chat special tokens: the built-in data and the tests
   Tokenizer.from_dir(path)  a model folder: its Hugging Face tokenizer.json (byte-level BPE: Qwen2/2.5/3, SmolLM2,
-                            Llama-3 exported) or else its Llama-3 tiktoken file tokenizer.model, and the folder's own
-                            chat template when it has one (chat_template.py)
+                            Llama-3 exported) or else its Llama-3 tiktoken tokenizer.model, and its own chat template
   get_tokenizer(spec)       "byte" or a model folder: what `data/prepare.py --tokenizer` takes
 
-render(messages) -> (ids, loss_mask). A token is trained (mask 1) when it holds a character of an assistant
-message's content as the template writes it, or is the special token the template writes right after it with only
-whitespace between (the end of the turn); all else is 0 (bos, headers, default system prompts, system and user
-turns, Qwen3's empty <think></think> block). A reply is found by rendering again with it replaced by a character the
-text lacks: the two renderings differ exactly there. The text is cut at the special tokens the template wrote and
-the pieces between are encoded, so the ids are apply_chat_template's.
+render(messages) -> (ids, loss_mask), the mask by chat_template.py's rule. The rendered text is cut at the special
+tokens the template wrote and the pieces between are encoded: apply_chat_template's ids with
+sanitize_control_tokens=True (special-token text in the data stays plain text: it cannot inject a turn boundary).
 
-Special-token text in the data is never parsed as a special token (as apply_chat_template with
-sanitize_control_tokens=True): data cannot inject a turn boundary.
-
-Vocabularies that lack single bytes (SmolLM2 lacks 21 of the 256): `tokenizers` drops a byte it cannot spell and
-the bytes around it may then merge; with an unk_token it emits unk instead (one per run with fuse_unk). encode
-does the same, on a slower path taken only for text that holds such a byte.
+Vocabularies that lack single bytes (SmolLM2 lacks 21 of the 256): `tokenizers` drops a byte it cannot spell and the
+bytes around it may then merge; with an unk_token it emits unk instead (one per run with fuse_unk). encode does the
+same, on a slower path taken only for text that holds such a byte.
 """
 import base64
-import hashlib
 import itertools
 import json
 import os
 import re
 import unicodedata
 
-import jinja2
 import regex  # tiktoken's own dependency; the same split regexes, for text with unspellable bytes
 import tiktoken
 
-from chat_template import (ROLES, TEMPLATES, compile_chat_template, guess_template, read_chat_template,
-                           token_text)
+from chat_template import ROLES, TEMPLATES, ChatTemplate, guess_template, read_chat_template, token_text
 
 BYTE_SPECIALS = ["<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 256..260
 # split regexes (tiktoken's regex dialect, same as the Hugging Face tokenizers one for these)
@@ -50,10 +40,10 @@ END_OF_TEXT = ["<|end_of_text|>", "<|eom_id|>", "<|endoftext|>"]
 
 
 class Tokenizer:
-    """encode/decode plain text, render chats. Attributes: name ("byte" or the model folder),
-    template ("simple" | "llama3" | "chatml", or "model": the folder's own chat template), vocab_size,
-    special_tokens {text: id}, eos_id (the template's end-of-turn token), stop_ids (eos_id + the model's
-    end-of-text tokens: generation stops at any of them), bos_id (None for Qwen-style chatml)."""
+    """encode/decode plain text, render chats. Attributes: name ("byte" or the model folder), template ("simple" |
+    "llama3" | "chatml", or "model": the folder's own chat template), vocab_size, special_tokens {text: id}, eos_id
+    (the template's end-of-turn token), stop_ids (eos_id + the model's end-of-text tokens: generation stops at any of
+    them), bos_id (None for Qwen-style chatml)."""
 
     def __init__(self, name, pat_str, mergeable_ranks, special_tokens, template, bos=None, nfc=False,
                  unk=None, fuse_unk=False, chat_template=None):
@@ -80,16 +70,11 @@ class Tokenizer:
         self._trusted_cache = {}
         if template == "model":
             if chat_template is None:
-                raise ValueError(f"{name}: template 'model' asks for the folder's own chat template, and it "
-                                 f"has none (no chat_template.jinja, no \"chat_template\" in "
-                                 f"tokenizer_config.json)")
-            self.template_source, self.template_vars, self.template_where = chat_template
-            self.chat_template = compile_chat_template(self.template_source, self.template_where)
-            # caches of tokenized data and reference log-probs are keyed by the template's text, not its name
-            digest = hashlib.sha256(json.dumps([self.template_source, self.template_vars], sort_keys=True,
-                                               default=str).encode()).hexdigest()[:12]
-            self.template_id = f"model-{digest}"
-            self.eos_id = self._find_end_of_turn()
+                raise ValueError(f"{name}: template 'model' asks for the folder's own chat template, and it has none "
+                                 f"(no chat_template.jinja, no \"chat_template\" in tokenizer_config.json)")
+            self.chat_template = ChatTemplate(*chat_template)
+            self.template_id = self.chat_template.id
+            self.eos_id = special_tokens[self.chat_template.end_of_turn(self._special_re)]
         elif template in TEMPLATES:
             self.template_id = template
             t = TEMPLATES[template]
@@ -99,15 +84,13 @@ class Tokenizer:
             self.eos_id = special_tokens[t["eot"]]
             bos = t["bos"] or bos
         else:
-            raise ValueError(f"unknown chat template {template!r}; expected 'model' (the folder's own) or "
-                             f"one of {list(TEMPLATES)}")
+            raise ValueError(f"unknown chat template {template!r}; expected 'model' (the folder's own) or one of "
+                             f"{list(TEMPLATES)}")
         self.stop_ids = [self.eos_id] + [special_tokens[s] for s in END_OF_TEXT
                                          if s in special_tokens and special_tokens[s] != self.eos_id]
         self.bos_id = special_tokens.get(bos) if bos else None
 
-    # ----------------------------------------------------------------------------------------------
-    # plain text
-
+    # plain text -----------------------------------------------------------------------------------
     def encode(self, text):
         """Plain text -> ids. Special-token text is encoded as ordinary text, never as a special."""
         if self.nfc:
@@ -121,9 +104,9 @@ class Tokenizer:
         return [t for piece in pieces for t in self._encode_piece(piece.encode())]
 
     def _encode_piece(self, piece):
-        """One regex piece holding bytes the vocab lacks, as tokenizers' BPE does it: the bytes are
-        dropped and the rest merged as one word; with an unk token, each byte (each run with fuse_unk)
-        becomes unk and the parts between are merged separately."""
+        """One regex piece holding bytes the vocab lacks, as tokenizers' BPE does it: the bytes are dropped and the
+        rest merged as one word; with an unk token, each byte (each run with fuse_unk) becomes unk and the parts
+        between are merged separately."""
         parts = self._missing_re.split(piece)  # kept, missing run, kept, ..., kept
         if self.unk_id is None:
             kept = b"".join(parts[0::2])
@@ -150,9 +133,7 @@ class Tokenizer:
     def decode(self, ids):
         return self.enc.decode(list(ids), errors="replace")
 
-    # ----------------------------------------------------------------------------------------------
-    # chats
-
+    # chats ----------------------------------------------------------------------------------------
     def render(self, messages):
         """[{"role", "content"}, ...] -> (ids, loss_mask), two lists of equal length."""
         return self._render(messages)
@@ -165,9 +146,9 @@ class Tokenizer:
         return self.render(messages)[0] + self._trusted(header)
 
     def render_pair(self, prompt, chosen, rejected):
-        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant
-        messages) -> ((ids_chosen, mask_chosen), (ids_rejected, mask_rejected)). The masks cover the
-        responses only: assistant turns inside the prompt are context here, not trained."""
+        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant messages)
+        -> ((ids_chosen, mask_chosen), (ids_rejected, mask_rejected)). The masks cover the responses only:
+        assistant turns inside the prompt are context here, not trained."""
         def turns(x, role):
             return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
         prompt = turns(prompt, "user")
@@ -198,34 +179,16 @@ class Tokenizer:
             self._trusted_cache[s] = self.enc.encode(s, allowed_special="all") if s else []
         return self._trusted_cache[s]
 
-    def _chat(self, messages, add_generation_prompt=False):
-        """The folder's chat template rendered with the arguments transformers gives it."""
-        try:
-            return self.chat_template.render(messages=messages, tools=None, documents=None,
-                                             add_generation_prompt=add_generation_prompt,
-                                             **self.template_vars)
-        except jinja2.TemplateError as e:  # raise_exception(...) in the template, an undefined name, ...
-            raise ValueError(f"{self.template_where}: the template cannot render this conversation: "
-                             f"{' '.join(str(e).split())}") from None
-
     def _render_model(self, messages, add_generation_prompt, trained_from):
-        """The folder's own template: the text transformers renders, tokenized as transformers tokenizes
-        it, and the mask by the rule at the top of this file."""
-        # special-token text in a message is wrapped in two private-use characters before rendering
-        # (as transformers' sanitize_control_tokens does), so that it can be told from the template's
-        seen = "".join(m["content"] for m in messages) + self.template_source
+        """The folder's own template: the text transformers renders, tokenized as transformers tokenizes it.
+        Special-token text in a message is first wrapped in two private-use characters (as transformers'
+        sanitize_control_tokens does), so that it can be told from the template's."""
+        seen = "".join(m["content"] for m in messages) + self.chat_template.source
         left, right, mark = itertools.islice((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in seen), 3)
-        messages = [dict(role=m["role"], content=self._special_re.sub(lambda t: left + t[0] + right,
-                                                                      m["content"])) for m in messages]
-        text = self._chat(messages, add_generation_prompt)
-        spans = []  # where each trained reply is in text
-        for i, m in enumerate(messages):
-            if m["role"] == "assistant" and i >= trained_from:
-                span = self._locate(text, messages, i, add_generation_prompt, mark)
-                if span and spans and span[0] < spans[-1][1]:
-                    raise ValueError(f"{self.template_where}: the template does not write the replies once "
-                                     f"each and in order, so the trained tokens cannot be told apart")
-                spans += [span] if span else []  # None: the template does not write this reply
+        messages = [dict(role=m["role"], content=self._special_re.sub(lambda t: left + t[0] + right, m["content"]))
+                    for m in messages]
+        text = self.chat_template.render(messages, add_generation_prompt)
+        spans = self.chat_template.reply_spans(text, messages, add_generation_prompt, trained_from, mark)
         pieces = self._pieces(text, left, right)
         trained = []  # char ranges: a reply, through the special token right after it (the end of turn)
         for s, e in spans:
@@ -244,21 +207,10 @@ class Tokenizer:
                 mask += self._overlaps(text[a:b], piece_ids, inside)
         return ids, mask
 
-    def _locate(self, text, messages, i, add_generation_prompt, mark):
-        """(start, end) of message i's content in text: the one place where a rendering with that
-        content replaced by a character the text lacks differs from text."""
-        other = self._chat(messages[:i] + [dict(messages[i], content=mark)] + messages[i + 1:],
-                           add_generation_prompt)
-        if mark not in other:
-            return None
-        start = common_prefix_len(text, other)
-        end = len(text) - common_prefix_len(text[::-1], other[::-1])
-        return start, max(start, end)
-
     def _pieces(self, text, left, right):
-        """How transformers cuts a rendered chat before encoding each piece -> [(start, end, special id
-        or None)]: at the special tokens the template wrote, and around special-token text from a
-        message (marked left...right), which is a piece of plain text of its own."""
+        """How transformers cuts a rendered chat before encoding each piece -> [(start, end, special id or None)]: at
+        the special tokens the template wrote, and around special-token text from a message (marked left...right),
+        which is a piece of plain text of its own."""
         pieces, pos = [], 0
         marked = re.finditer(f"{left}({self._special_re.pattern}){right}|[{left}{right}]", text)
         for m in itertools.chain(marked, [None]):
@@ -281,19 +233,7 @@ class Tokenizer:
         at = [(self._spelled(seg[:max(s, 0)]), self._spelled(seg[:e])) for s, e in ranges]
         return [int(any(a < end and end - size < b for a, b in at)) for size, end in zip(sizes, ends)]
 
-    def _find_end_of_turn(self):
-        """The special token the template writes right after an assistant reply: what ends a turn."""
-        mark = "\ue000"
-        text = self._chat([dict(role="user", content="Hi"), dict(role="assistant", content=mark)])
-        eot = self._special_re.search(text, text.find(mark) + 1) if mark in text else None
-        if eot is None:
-            raise ValueError(f"{self.template_where}: the template writes no special token after an "
-                             f"assistant reply, so nanopack cannot tell where a turn ends")
-        return self.special_tokens[eot.group()]
-
-    # ----------------------------------------------------------------------------------------------
-    # constructors
-
+    # constructors ---------------------------------------------------------------------------------
     @classmethod
     def byte_level(cls):
         ranks = {bytes([b]): b for b in range(256)}
@@ -314,8 +254,8 @@ class Tokenizer:
                     ranks[base64.b64decode(token, validate=True)] = int(rank)
                 except ValueError:  # also binascii.Error
                     raise ValueError(f"{path}:{lineno}: not a tiktoken rank line '<base64 token> <rank>' "
-                                     f"(SentencePiece tokenizer.model files, e.g. Llama-2 or Mistral, are "
-                                     f"not supported)") from None
+                                     f"(SentencePiece tokenizer.model files, e.g. Llama-2 or Mistral, are not "
+                                     f"supported)") from None
         names = LLAMA3_SPECIALS + [f"<|reserved_special_token_{i}|>"
                                    for i in range(2, 2 + LLAMA3_NUM_SPECIALS - len(LLAMA3_SPECIALS))]
         specials = {s: len(ranks) + i for i, s in enumerate(names)}
@@ -324,9 +264,9 @@ class Tokenizer:
 
     @classmethod
     def from_hf_json(cls, path, template=None, chat_template=None, bos=None):
-        """A Hugging Face tokenizer.json holding a byte-level BPE, converted to tiktoken ranks.
-        chat_template: (source, variables, where) of the folder's own template, used when template is
-        None (or "model"); without one, a built-in format is guessed from the added tokens."""
+        """A Hugging Face tokenizer.json holding a byte-level BPE, converted to tiktoken ranks. chat_template: (source,
+        variables, where) of the folder's own template, used when template is None (or "model"); without one, a
+        built-in format is guessed from the added tokens."""
         with open(path, encoding="utf-8") as f:
             tj = json.load(f)
         model = tj.get("model") or {}
@@ -363,16 +303,16 @@ class Tokenizer:
         if unk is not None and unk not in model["vocab"] and any(bytes([b]) not in ranks for b in range(256)):
             raise unsupported("model.unk_token", f"{unk!r} is not in the vocab, and missing bytes need it")
 
-        # tiktoken applies, at each step, the merge whose *result* has the lowest id; Hugging Face
-        # applies the merge listed first. They agree only if results never go down the merge list.
+        # tiktoken applies, at each step, the merge whose *result* has the lowest id; Hugging Face applies the merge
+        # listed first. They agree only if results never go down the merge list.
         prev = -1
         for i, merge in enumerate(model.get("merges", [])):
             a, b = merge.split(" ") if isinstance(merge, str) else merge
             rank = model["vocab"].get(a + b)
             if rank is None or rank < prev:
-                raise ValueError(f"{path}: model.merges are not consistent with rank order (merge #{i} "
-                                 f"{a!r} + {b!r} gives id {rank}, after a merge giving id {prev}), so "
-                                 f"this BPE cannot be expressed as tiktoken ranks")
+                raise ValueError(f"{path}: model.merges are not consistent with rank order (merge #{i} {a!r} + {b!r} "
+                                 f"gives id {rank}, after a merge giving id {prev}), so this BPE cannot be expressed "
+                                 f"as tiktoken ranks")
             prev = rank
         bpe_ids = set(ranks.values())
         specials = {s: i for s, i in added.items() if i not in bpe_ids}
@@ -408,17 +348,9 @@ class Tokenizer:
 
 
 def get_tokenizer(spec, template=None):
-    """'byte' -> the built-in byte-level tokenizer; anything else is a model folder. A tokenizer's
-    .name is such a spec ("byte" or the folder's absolute path), so get_tokenizer(tok.name) rebuilds it."""
+    """'byte' -> the built-in byte-level tokenizer; anything else is a model folder. A tokenizer's .name is such a
+    spec ("byte" or the folder's absolute path), so get_tokenizer(tok.name) rebuilds it."""
     return Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_dir(spec, template)
-
-
-def common_prefix_len(a, b):
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:  # halving, so that the comparing runs in C
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if a[:mid] == b[:mid] else (lo, mid - 1)
-    return lo
 
 
 def utf8(text):
@@ -457,8 +389,7 @@ def split_regex(pre, unsupported):
 
 def bytes_to_unicode():
     """GPT-2's map from each byte to a printable character (how byte-level BPE vocabs are spelled)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     chars, n = {}, 0
     for b in range(256):
         if b in printable:
