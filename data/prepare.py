@@ -1,24 +1,34 @@
-"""
-Chat JSONL -> the token files packing.py reads.
+r"""
+Chat records, JSONL or Parquet as downloaded from the Hugging Face hub -> the token files packing.py reads.
 
     python data/prepare.py --input chats.jsonl --out_dir data/chats --tokenizer byte
     python data/prepare.py --input prefs.jsonl --out_dir data/prefs --tokenizer ~/models/Qwen2.5-0.5B \
         --max_len 4096 --overlong truncate --val_fraction 0.01
+    python data/prepare.py --input ultrafeedback_binarized/data --data_split train_prefs \
+        --val_input 'ultrafeedback_binarized/data/test_prefs-*.parquet' --out_dir data/uf --tokenizer byte
 
-Accepted lines (the first line decides SFT or DPO; one kind per file):
-  SFT  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+--input (and --val_input) is a .jsonl file (a record a line), a .parquet file (a record a row; read row group
+by row group with pyarrow: pip install pyarrow), a folder of .parquet/.jsonl shards or a quoted glob; files are
+read in name order. A folder's files form splits by name: train_prefs-00000-of-00001.parquet is in split
+train_prefs; a folder holding several splits needs --data_split.
+
+Accepted records (the first one decides SFT or DPO; one kind per input; other fields, e.g. id, are ignored):
+  SFT  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}  (e.g. Tulu 3 SFT mixture)
   DPO  {"chosen": [messages], "rejected": [messages]}
        the prompt is their longest common prefix; what follows it must be assistant turns
   DPO  {"prompt": str | [messages], "chosen": str | [assistant messages], "rejected": the same}
        if chosen/rejected hold whole conversations (non-assistant turns), the prompt field is
        ignored and inferred as above (the Hugging Face "ultrafeedback_binarized" layout, whose
        "messages" column repeats the chosen conversation; a "messages" that differs from it is an error)
+  DPO  {"chosen": "\n\nHuman: ...\n\nAssistant: ...", "rejected": the same}  (Anthropic HH-RLHF, no prompt)
+       each transcript is split at its Human/Assistant markers into turns, then read as conversations above
 
 Output in out_dir, per split (train, val): <split>_ids.npy (uint16 if the vocab fits, else uint32),
 <split>_offsets.npy (int64, example i = ids[offsets[i]:offsets[i+1]]), <split>_mask.npy (uint8, 1 on
 trained tokens), and meta.json. A DPO pair i is examples 2i (chosen) and 2i+1 (rejected).
 load(out_dir, split) maps them back as the dict packing.py takes.
-Each line goes to val with probability val_fraction, drawn from random.Random(seed) line by line.
+Each record goes to val with probability val_fraction, drawn from random.Random(seed) record by record;
+with --val_input, val is that input instead and val_fraction is not used.
 
 Sequences longer than --max_len tokens are handled by --overlong:
   error     (default) stop, naming the line
@@ -28,9 +38,12 @@ Sequences longer than --max_len tokens are handled by --overlong:
   skip      drop the example (a DPO pair as a whole)
 """
 import argparse
+import glob
+import itertools
 import json
 import os
 import random
+import re
 import sys
 import time
 from array import array
@@ -41,18 +54,45 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from tokenizer import ROLES, get_tokenizer  # noqa: E402
 
 OVERLONG = ("error", "truncate", "skip")
+HH_TURN = re.compile(r"\n\n(Human|Assistant): ?")  # HH-RLHF's turn markers; the one space after the colon goes
 
 
 class DataError(ValueError):
     """Bad input data. The message reads '{path}:{line}: {what} — {how to fix}'."""
 
 
-def read_jsonl(path, verbose=True):
-    """Yield (where, record) per non-blank line, where = 'path:line'. Streams; progress to stderr."""
-    size, t0, shown, lineno = max(os.path.getsize(path), 1), time.time(), time.time(), 0
+def data_files(path, data_split=None):
+    """A file, a folder of .parquet/.jsonl shards or a glob -> the files to read, in name order (.parquet read as
+    Parquet, anything else as JSONL). A folder's files form splits by name, the shard number dropped:
+    train_prefs-00000-of-00002.parquet is in split train_prefs."""
+    if os.path.isdir(path):
+        files = sorted(glob.glob(os.path.join(path, "*.parquet")) + glob.glob(os.path.join(path, "*.jsonl")))
+    else:
+        files = [path] if os.path.isfile(path) else sorted(f for f in glob.glob(path) if os.path.isfile(f))
+    if not files:
+        raise DataError(f"{path}: no such file, and no .parquet or .jsonl file " + ("in this folder — pass the "
+                        "folder that holds the shards (often its data/ subfolder)" if os.path.isdir(path) else
+                        "matches it as a pattern — check the path"))
+    if data_split is not None and not os.path.isdir(path):
+        raise DataError(f"{path}: data_split={data_split!r} picks a split inside a folder, and this is a file or "
+                        f"a pattern — pass the folder, or drop data_split")
+    splits = {}
+    for f in files:
+        name = os.path.basename(f).rsplit(".", 1)[0]
+        splits.setdefault(re.sub(r"[-_]?\d+(-of-\d+)?$", "", name), []).append(f)
+    if (data_split is not None and data_split not in splits) or (data_split is None and len(splits) > 1):
+        found = ", ".join(map(repr, sorted(splits)))
+        raise DataError(f"{path}: " + (f"no split {data_split!r}" if data_split else "several splits") +
+                        f" among its files; found {found} — choose one with data_split")
+    return splits[data_split] if data_split is not None else files
+
+
+def read_jsonl(path):
+    """Yield (where, record, fraction of the file read) per non-blank line, where = 'path:line'."""
+    size, done = max(os.path.getsize(path), 1), 0
     with open(path, "rb") as f:  # bytes, decoded line by line, so a bad UTF-8 line can be named
         for lineno, raw in enumerate(f, 1):
-            where = f"{path}:{lineno}"
+            where, done = f"{path}:{lineno}", done + len(raw)
             try:
                 line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # -sig: a BOM some editors write
             except UnicodeDecodeError as e:
@@ -69,20 +109,57 @@ def read_jsonl(path, verbose=True):
             if not isinstance(record, dict):
                 raise DataError(f"{where}: the line is a JSON {type(record).__name__}, not an object — write "
                                 f"one {{\"messages\": ...}} or {{\"chosen\", \"rejected\"}} object per line")
-            if verbose and time.time() - shown > 1.0:  # one progress line, rewritten once a second
+            yield where, record, done / size
+
+
+def read_parquet(path):
+    """Yield (where, record, fraction of the file read) per row, where = 'path:row N'. Memory holds one row
+    group in Arrow and 1024 rows as Python dicts, whatever the file's size."""
+    try:
+        import pyarrow
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise DataError(f"{path}: reading Parquet needs pyarrow — pip install pyarrow") from None
+    row = 0
+    with open(path, "rb") as f:
+        try:
+            pf = pq.ParquetFile(f)
+            n = max(pf.metadata.num_rows, 1)
+            for group in range(pf.num_row_groups):  # not iter_batches: that pre-buffers every row group at once
+                for batch in pf.read_row_group(group).to_batches(1024):
+                    for record in batch.to_pylist():
+                        row += 1
+                        yield f"{path}:row {row}", record, row / n
+        except pyarrow.ArrowException as e:
+            at = f"{path}:row {row + 1}" if row else path
+            raise DataError(f"{at}: not readable as Parquet ({' '.join(str(e).split())}) — download the file "
+                            f"again, or check that it is Parquet") from None
+
+
+def read_records(files, verbose=True):
+    """Yield (where, record) from each file in turn; with verbose, a progress line to stderr every 10 s, a total at the
+    end."""
+    sizes = [os.path.getsize(f) for f in files]
+    t0, shown, rows = time.time(), time.time(), 0
+    for i, path in enumerate(files):
+        for where, record, done in (read_parquet if path.endswith(".parquet") else read_jsonl)(path):
+            rows += 1
+            if verbose and time.time() - shown > 10:
                 shown = time.time()
-                print(f"\r{path}: {lineno:,} lines ({f.tell() / size:.0%}), "
-                      f"{lineno / (shown - t0):,.0f} lines/s", end="", file=sys.stderr, flush=True)
+                frac = (sum(sizes[:i]) + done * sizes[i]) / max(sum(sizes), 1)  # by bytes, over all the files
+                eta = (shown - t0) * (1 - frac) / max(frac, 1e-9)
+                print(f"{where}: {rows:,} rows ({frac:.0%}), {rows / (shown - t0):,.0f} rows/s, "
+                      f"ETA {eta // 60:.0f}m{eta % 60:02.0f}s", file=sys.stderr, flush=True)
             yield where, record
     if verbose:
-        print(f"\r{path}: {lineno:,} lines (100%)" + " " * 24, file=sys.stderr)
+        print(f"read {rows:,} rows from {len(files)} file(s) in {time.time() - t0:.1f} s")
 
 
 def check_messages(messages, field, where):
     """Validate a message list; return it as plain {"role", "content"} dicts (extra keys dropped)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: '{field}' must be a non-empty list of {{\"role\", \"content\"}} messages, "
-                        f"got {json.dumps(messages)[:60]} — fix the line's format")
+                        f"got {json.dumps(messages, default=str)[:60]} — fix the line's format")
     out = []
     for i, m in enumerate(messages):
         at = f"{field}[{i}]"
@@ -107,8 +184,23 @@ def as_messages(x, field, role, where):
     return check_messages([dict(role=role, content=x)] if isinstance(x, str) else x, field, where)
 
 
+def split_transcript(text, field, where):
+    """An HH-RLHF transcript "\\n\\nHuman: q\\n\\nAssistant: a ..." -> its user/assistant messages."""
+    parts = HH_TURN.split(text)  # [text before the first marker, marker 1, turn 1, marker 2, turn 2, ...]
+    markers = parts[1::2]
+    due = next((i for i, m in enumerate(markers) if m != ("Human", "Assistant")[i % 2]), None)
+    problem = ("has no '\\n\\nHuman:' / '\\n\\nAssistant:' turns" if not markers else
+               f"has text before its first turn: {parts[0][:40]!r}" if parts[0].strip() else
+               f"turn {due + 1} is {markers[due]}'s, where turns alternate Human, Assistant" if due is not None else
+               "ends with a Human turn, not the Assistant's reply" if markers[-1] == "Human" else None)
+    if problem:
+        raise DataError(f"{where}: '{field}' {problem} — with no 'prompt', chosen and rejected strings must be "
+                        f"HH-RLHF transcripts '\\n\\nHuman: ...\\n\\nAssistant: ...'; fix the line or add a prompt")
+    return [dict(role="user" if m == "Human" else "assistant", content=c) for m, c in zip(markers, parts[2::2])]
+
+
 def parse(record, where):
-    """A JSONL record -> ("sft", messages) or ("dpo", (prompt, chosen, rejected) message lists)."""
+    """A record -> ("sft", messages) or ("dpo", (prompt, chosen, rejected) message lists)."""
     dpo_keys = [k for k in ("chosen", "rejected") if k in record]
     if "messages" in record and dpo_keys:  # ultrafeedback_binarized's messages == chosen; anything else is a guess
         if record["messages"] != record.get("chosen"):
@@ -123,6 +215,8 @@ def parse(record, where):
                             f"add the assistant reply or drop the line")
         return "sft", messages
     if "chosen" in record and "rejected" in record:
+        if "prompt" not in record and isinstance(record["chosen"], str) and isinstance(record["rejected"], str):
+            record = {k: split_transcript(record[k], k, where) for k in ("chosen", "rejected")}  # HH-RLHF
         chosen = as_messages(record["chosen"], "chosen", "assistant", where)
         rejected = as_messages(record["rejected"], "rejected", "assistant", where)
         if chosen == rejected:
@@ -274,14 +368,31 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
 
 
 def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error", val_fraction=0.01,
-            seed=1337, verbose=True):
-    """JSONL file -> token files in out_dir; returns meta. tokenizer: a Tokenizer, "byte" or a folder."""
+            seed=1337, verbose=True, data_split=None, val_input=None):
+    """Records (see data_files) -> token files in out_dir; returns meta. tokenizer: a Tokenizer, "byte" or a
+    folder. val_input: records for the val split, instead of holding out val_fraction of the input."""
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-    rng = random.Random(seed)  # one draw per line, so the split does not depend on max_len/overlong
-    items = ((where, "val" if rng.random() < val_fraction else "train", record)
-             for where, record in read_jsonl(input_path, verbose))
-    extra_meta = dict(source=os.path.abspath(input_path), val_fraction=val_fraction, seed=seed)
+    files = data_files(input_path, data_split)  # before out_dir is touched: a wrong path writes nothing
+    if val_input is None:
+        rng = random.Random(seed)  # one draw per record, so the split does not depend on max_len/overlong
+        items = ((where, "val" if rng.random() < val_fraction else "train", record)
+                 for where, record in read_records(files, verbose))
+    else:
+        val_files = data_files(val_input)
+        items = itertools.chain(((where, "train", record) for where, record in read_records(files, verbose)),
+                                ((where, "val", record) for where, record in read_records(val_files, verbose)))
+    extra_meta = dict(source=os.path.abspath(input_path), data_split=data_split, seed=seed,
+                      val_source=os.path.abspath(val_input) if val_input is not None else None,
+                      val_fraction=val_fraction if val_input is None else None)
     return write_token_files(items, out_dir, tok, max_len, overlong, extra_meta, verbose)
+
+
+def peek_kind(path, data_split=None):
+    """-> (kind, where): "sft" or "dpo" from the first record of `path` (as prepare takes it) and where that
+    record is ('file:line' or 'file:row N'). Reads and checks that one record; tokenizes nothing."""
+    for where, record in read_records(data_files(path, data_split), verbose=False):
+        return parse(record, where)[0], where
+    raise DataError(f"{path}: no examples found — is the file empty?")
 
 
 def load(data_dir, split):
@@ -299,17 +410,20 @@ def load(data_dir, split):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="a JSONL file")
+    p.add_argument("--input", required=True, help="a .jsonl or .parquet file, a folder of shards, or a quoted glob")
+    p.add_argument("--data_split", default=None, help="the split to read from a folder holding several, e.g. "
+                   "train_prefs")
     p.add_argument("--out_dir", required=True)
     p.add_argument("--tokenizer", default="byte", help='"byte", or a model folder with tokenizer.json/.model')
     p.add_argument("--max_len", type=int, default=4096, help="longest sequence, in tokens")
     p.add_argument("--overlong", choices=OVERLONG, default="error")
     p.add_argument("--val_fraction", type=float, default=0.01)
+    p.add_argument("--val_input", default=None, help="val records (file, folder or glob) instead of --val_fraction")
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args()
     try:
         prepare(args.input, args.out_dir, args.tokenizer, args.max_len, args.overlong, args.val_fraction,
-                args.seed)
+                args.seed, data_split=args.data_split, val_input=args.val_input)
     except (ValueError, OSError) as e:  # DataError, a missing file, an unsupported tokenizer: one line
-        print(f"\nerror: {e}", file=sys.stderr)
+        print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
