@@ -137,7 +137,8 @@ def setup(config, kind, builtin_sizes=None):
         tok = choose_tokenizer(c["tokenizer"], c["init_from"])
         model_config = initial_config(start, tok)
         data_dir = prepare_data(c["data"], c["out_dir"], tok, kind, c["max_len"], model_config.max_seq_len,
-                                c["overlong"], c["seed"], c["val_fraction"], **(builtin_sizes or {}))
+                                c["overlong"], c["seed"], c["val_fraction"], c["data_split"], c["val_data"],
+                                **(builtin_sizes or {}))
     train_data, val_data = load_data(data_dir, tok, kind)
     check_fits(model_config, tok, data_dir, train_data, val_data, c["microbatch_tokens"], kind)
     compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
@@ -248,11 +249,12 @@ def choose_tokenizer(tokenizer, init_from):
         raise SystemExit(f"tokenizer error: {e}") from None
 
 
-def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed, val_fraction, **builtin):
-    """-> the folder of token files for `data`. 'builtin' and a .jsonl file are tokenized into out_dir/data
+def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed, val_fraction, data_split, val_data,
+                 **builtin):
+    """-> the folder of token files for `data`. 'builtin' and records (data/prepare.py) are tokenized into out_dir/data
     by rank 0 while the others wait; a folder written by data/prepare.py is used as it is. A sequence longer
     than the model's positions is handled as one longer than max_len (`overlong`), so its line is named."""
-    if data != "builtin" and not data.endswith(".jsonl"):
+    if data != "builtin" and os.path.isfile(os.path.join(data, "meta.json")):
         return data
     data_dir = os.path.join(out_dir, "data")
     if is_master():
@@ -261,7 +263,7 @@ def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed,
                 prepare_builtin(data_dir, tokenizer=tok, kind=kind, **builtin)
             else:
                 prepare(data, data_dir, tokenizer=tok, max_len=min(max_len, max_seq_len), overlong=overlong,
-                        val_fraction=val_fraction, seed=seed)
+                        val_fraction=val_fraction, seed=seed, data_split=data_split, val_input=val_data)
         except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
             capped = f" (max_len is capped at the model's max_seq_len={max_seq_len}: it has no positions beyond)"
             raise SystemExit(f"data error: {e}{capped * (max_len > max_seq_len and 'max_len' in str(e))}") from None

@@ -16,16 +16,18 @@ import importlib.util
 import math
 import os
 import sys
+import time
 
 import torch
 
 import lora
+from data.prepare import data_files, peek_kind
 from model import PRESETS
 from parallel import is_master
 from tokenizer import Tokenizer
 
-FIXED_ON_RESUME = ("data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong", "val_fraction",
-                   "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize_base")
+FIXED_ON_RESUME = ("data", "data_split", "val_data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong",
+                   "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize_base")
 
 
 class ConfigError(ValueError):
@@ -73,11 +75,21 @@ def configure(config, argv=None, finetune=None, kind=None, choices=None):
             if chosen and is_master():
                 print(f"fine-tuning a pretrained model: {', '.join(f'{k}={v}' for k, v in chosen.items())} "
                       f"(defaults for real models; set them to change)", flush=True)
+        if kind is not None:
+            check_config(values, kind, choices or {})
     except ConfigError as e:
-        raise SystemExit(f"config error: {e}") from None
-    if kind is not None:
-        check_config(values, kind, choices or {})
+        one_line(f"config error: {e}")
+    except SystemExit as e:
+        one_line(e.code)
     return values
+
+
+def one_line(message):
+    """Exit with the message printed once: by rank 0, while the other ranks wait for torchrun to stop them (were they
+    to exit first, torchrun could stop rank 0 before it prints)."""
+    if not is_master():
+        time.sleep(30)
+    raise SystemExit(message) from None
 
 
 def check_config(c, kind, choices):
@@ -123,12 +135,19 @@ def check_config(c, kind, choices):
                          f"{hint}")
     if c["tokenizer"] not in ("", "byte") and not Tokenizer.has_files(c["tokenizer"]):
         bad("tokenizer", "use 'byte' or a folder with tokenizer.json or tokenizer.model")
-    data = c["data"]
-    if data != "builtin" and not (data.endswith(".jsonl") and os.path.isfile(data)) and not os.path.isfile(
-            os.path.join(data, "meta.json")):
-        what = ("no such file" if data.endswith(".jsonl") else
-                "not a .jsonl file nor a folder written by data/prepare.py")
-        bad("data", f"{what}; use 'builtin', a chat .jsonl file, or a folder written by data/prepare.py")
+    if c["data"] != "builtin" and not os.path.isfile(os.path.join(c["data"], "meta.json")):
+        try:  # records (JSONL, Parquet, a folder of shards, a glob): the first one says SFT or DPO, nothing tokenized
+            found, where = peek_kind(c["data"], c["data_split"])
+            c["val_data"] and data_files(c["val_data"])
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"data error: {e}") from None
+        if found != kind:
+            need = "chosen/rejected pairs" if kind == "dpo" else "messages"
+            raise SystemExit(f"data error: {where} is {found.upper()} data but train_{kind}.py trains {kind.upper()} "
+                             f"({need}); use train_{found}.py for it")
+    elif c["data_split"] or c["val_data"]:
+        bad("data_split" if c["data_split"] else "val_data", "it picks raw records; this data is 'builtin' or "
+            "already prepared")
     try:  # can we write where the run will live? Better now than after an hour of training
         os.makedirs(c["out_dir"], exist_ok=True)
         with open(os.path.join(c["out_dir"], f".write_test_{os.getpid()}"), "w") as f:

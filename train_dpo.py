@@ -32,9 +32,12 @@ out_dir = "out/dpo"
 init_from = "out/sft/hf"  # the model `python train_sft.py` leaves; any Hugging Face folder, 'scratch' or 'resume'
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
-data = "builtin"  # 'builtin' (arithmetic preference pairs), a .jsonl of pairs, or a folder written by data/prepare.py
-max_len = 4096  # JSONL only: longest sequence kept; longer ones follow `overlong`
-overlong = "error"  # JSONL only: 'error', 'truncate' or 'skip' (counted and printed)
+data = "builtin"  # 'builtin' (arithmetic preference pairs), records or a prepared folder:
+#   .jsonl, .parquet, a folder of shards, a glob (see data/prepare.py), or the folder it writes
+data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
+val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
+max_len = 4096  # records only: longest sequence kept; longer ones follow `overlong`
+overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
 batch_size = 32  # preference pairs per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole pairs: chosen + rejected)
 max_iters = 0  # optimizer steps; 0 = `epochs` passes over the data

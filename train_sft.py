@@ -29,9 +29,12 @@ out_dir = "out/sft"
 init_from = "scratch"  # 'scratch' (a `preset`), a Hugging Face model folder, or 'resume' (out_dir/ckpt.pt)
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder, else 'byte'
-data = "builtin"  # 'builtin' (arithmetic chats), a .jsonl file, or a folder written by data/prepare.py
-max_len = 4096  # JSONL only: longest example kept; longer ones follow `overlong`
-overlong = "error"  # JSONL only: 'error', 'truncate' or 'skip' (counted and printed)
+data = "builtin"  # 'builtin' (arithmetic chats), records or a prepared folder:
+#   .jsonl, .parquet, a folder of shards, a glob (see data/prepare.py), or the folder it writes
+data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
+val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
+max_len = 4096  # records only: longest example kept; longer ones follow `overlong`
+overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
 batch_size = 32  # examples per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
 max_iters = 1100  # optimizer steps; 0 = `epochs` passes over the data
@@ -58,7 +61,7 @@ parallel = "ddp"  # 'ddp' or 'fsdp' (used when launched with torchrun on more th
 log_interval = 10
 eval_interval = 275  # evaluate (val loss; built-in: exact-match accuracy, style) and checkpoint; 0 = at the end
 eval_examples = 200  # built-in task: held-out prompts answered greedily for accuracy
-val_fraction = 0.01  # JSONL only: the share of lines held out for val loss
+val_fraction = 0.01  # records only: the share of lines held out for val loss
 max_bad_steps = 3  # a step with a non-finite loss or gradient norm is skipped; this many in a row stop the run
 overwrite = False  # a fresh run into an out_dir that holds a run (ckpt.pt) is an error unless this is True
 dist_timeout = 300  # seconds a collective may wait for the other ranks before failing (a stalled rank)

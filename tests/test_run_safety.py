@@ -153,7 +153,13 @@ def a_file(tmp_path):
     return str(tmp_path / "a_file")
 
 
-PLACES = {"@file": a_file, "@long": lambda t: long_example_jsonl(t, 3000),
+def pairs_jsonl(tmp_path):
+    path = tmp_path / "pairs.jsonl"
+    path.write_text(json.dumps(dict(prompt="Hi?", chosen="Hello.", rejected="Go away.")) + "\n")
+    return str(path)
+
+
+PLACES = {"@file": a_file, "@pairs": pairs_jsonl, "@long": lambda t: long_example_jsonl(t, 3000),
           "@medium": lambda t: long_example_jsonl(t, 1000), **{f"@{d}": (lambda t, d=d: model_folder(t, d))
                                                              for d in ("noconfig", "badjson", "truncated", "badtokenizer")}}
 
@@ -172,8 +178,11 @@ BAD = [  # (script, arguments, what the one line must say)
     ("train_sft.py", "--loss_weighting=tokens", "loss_weighting='tokens'; choose one of token, sequence"),
     ("train_sft.py", "--parallel=zero", "parallel='zero'; choose one of ddp, fsdp"),
     ("train_sft.py", "--preset=huge", "preset='huge'; choose one of tiny, toy"),
-    ("train_sft.py", "--data=chats.json", "data='chats.json'; not a .jsonl file nor a folder written by data/prepare.py"),
-    ("train_sft.py", "--data=missing.jsonl", "data='missing.jsonl'; no such file"),
+    ("train_sft.py", "--data=chats.json", "data error: chats.json: no such file, and no .parquet or .jsonl file matches"),
+    ("train_sft.py", "--data=missing.jsonl", "data error: missing.jsonl: no such file"),
+    ("train_sft.py", "--data_split=train", "data_split='train'; it picks raw records; this data is 'builtin' or"),
+    ("train_sft.py", "--data=@pairs", "pairs.jsonl:1 is DPO data but train_sft.py trains SFT (messages); use train_dpo"),
+    ("train_dpo.py", "--init_from=scratch --data=@medium", "long.jsonl:1 is SFT data but train_dpo.py trains DPO"),
     ("train_sft.py", "--val_fraction=1.5", "val_fraction=1.5; it must be in [0, 1)"),
     ("train_sft.py", "--out_dir=@file/sub", "cannot write there"),
     ("train_sft.py", "--init_from=@noconfig", "it is neither 'scratch', 'resume' nor a Hugging Face model folder"),
@@ -220,10 +229,11 @@ def test_overwrite_removes_the_previous_run_first(tmp_path, sft_data):
     out_dir = str(tmp_path / "run")
     run_script("train_sft.py", as_args(**dict(SFT, out_dir=out_dir, data=sft_data, max_iters=1)))
     assert os.path.exists(os.path.join(out_dir, "ckpt.pt")) and os.path.exists(os.path.join(out_dir, "hf"))
-    bad = tmp_path / "bad.jsonl"
-    bad.write_text("{not json\n")
+    bad = tmp_path / "bad.jsonl"  # the first line passes the config check (SFT data), the second stops prepare
+    bad.write_text(json.dumps(dict(messages=[dict(role="user", content="hi"), dict(role="assistant", content="yo")]))
+                   + "\n{not json\n")
     out = run_script("train_sft.py", as_args(**dict(SFT, out_dir=out_dir, data=str(bad), overwrite=True)), check=False)
-    assert out.returncode != 0 and "bad.jsonl:1: malformed JSON" in out.stderr
+    assert out.returncode != 0 and "bad.jsonl:2: malformed JSON" in out.stderr
     # the new run failed, and nothing of the old one is left to be taken for its result
     assert not os.path.exists(os.path.join(out_dir, "ckpt.pt")) and not os.path.exists(os.path.join(out_dir, "hf"))
 
