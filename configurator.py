@@ -135,7 +135,8 @@ def check_config(c, kind, choices):
                          f"{hint}")
     if c["tokenizer"] not in ("", "byte") and not Tokenizer.has_files(c["tokenizer"]):
         bad("tokenizer", "use 'byte' or a folder with tokenizer.json or tokenizer.model")
-    if c["data"] != "builtin" and not os.path.isfile(os.path.join(c["data"], "meta.json")):
+    records = c["data"] != "builtin" and not os.path.isfile(os.path.join(c["data"], "meta.json"))
+    if records and c["init_from"] != "resume":  # a resumed run reads its own token files, even if the records moved
         try:  # records (JSONL, Parquet, a folder of shards, a glob): the first one says SFT or DPO, nothing tokenized
             found, where = peek_kind(c["data"], c["data_split"])
             c["val_data"] and data_files(c["val_data"])
@@ -145,7 +146,7 @@ def check_config(c, kind, choices):
             need = "chosen/rejected pairs" if kind == "dpo" else "messages"
             raise SystemExit(f"data error: {where} is {found.upper()} data but train_{kind}.py trains {kind.upper()} "
                              f"({need}); use train_{found}.py for it")
-    elif c["data_split"] or c["val_data"]:
+    elif not records and (c["data_split"] or c["val_data"]):
         bad("data_split" if c["data_split"] else "val_data", "it picks raw records; this data is 'builtin' or "
             "already prepared")
     try:  # can we write where the run will live? Better now than after an hour of training

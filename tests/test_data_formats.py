@@ -175,6 +175,10 @@ def test_train_dpo_takes_a_downloaded_split_folder(tmp_path):
     prepare(str(folder), str(tmp_path / "direct"), tokenizer=TOK, max_len=2048,  # tiny: 2048 positions
             data_split="train_prefs", val_input=str(folder / "test_prefs-*.parquet"), verbose=False)
     assert_same_token_files(tmp_path / "run" / "data", tmp_path / "direct")
+    os.rename(folder.parent, tmp_path / "moved")  # the records may go: a resumed run reads its own token files
+    r = subprocess.run(run[:2] + ["--init_from=resume", f"--out_dir={tmp_path / 'run'}", "--max_iters=3"],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0 and '"iter": 3' in open(tmp_path / "run" / "metrics.jsonl").read(), r.stderr[-3000:]
 
 
 def test_progress_line_with_rows_per_second_and_eta(tmp_path, monkeypatch, capsys):
