@@ -23,7 +23,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import kernels
-from kernels import chunked_cross_entropy, chunked_logprobs
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -125,8 +124,7 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # statistics in float32 whatever the activation dtype (bf16 squares lose digits), like the reference
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -205,8 +203,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_se
     left = -1 if sliding_window is None else sliding_window - 1  # tokens seen before the query
     cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     if backend == "flash_attn":
-        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k,
-                                      causal=True, window_size=(left, 0))
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, causal=True, window_size=(left, 0))
     if backend == "torch_varlen":
         return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k,
                            window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
@@ -346,8 +343,7 @@ class Transformer(nn.Module):
         """The trunk: (T,) token ids -> (T, d_model) final-normed hidden states."""
         T = input_ids.shape[0]
         if cu_seqlens is None:  # a plain (T,) call is one sequence
-            cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device)
-            max_seqlen = T
+            cu_seqlens, max_seqlen = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device), T
         if position_ids is None:
             assert cu_seqlens.numel() == 2, "packed input needs position_ids restarting at 0 per sequence"
             position_ids = torch.arange(T, device=input_ids.device)
@@ -388,8 +384,8 @@ class Transformer(nn.Module):
             h = h if logits_at is None else h[logits_at]
             return F.linear(h, w)[:, :V]
         if logprobs:
-            return chunked_logprobs(h, w, targets, V)
-        return chunked_cross_entropy(h, w, targets, V, loss_weights)
+            return kernels.chunked_logprobs(h, w, targets, V)
+        return kernels.chunked_cross_entropy(h, w, targets, V, loss_weights)
 
     def flops_per_token(self, seq_lens, head_tokens=None, key_lens=None):
         """Training FLOPs per real token of a packed batch with these sequence lengths: 6 per matmul parameter
