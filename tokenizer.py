@@ -8,10 +8,6 @@ Tokenizers, tiktoken underneath. Three ways to get one, all offline:
 render(messages) -> (ids, loss_mask), the mask by chat_template.py's rule. The rendered text is cut at the special
 tokens the template wrote and the pieces between are encoded: apply_chat_template's ids with
 sanitize_control_tokens=True (special-token text in the data stays plain text: it cannot inject a turn boundary).
-
-Vocabularies that lack single bytes (SmolLM2 lacks 21 of the 256): `tokenizers` drops a byte it cannot spell and the
-bytes around it may then merge; with an unk_token it emits unk instead (one per run with fuse_unk). encode does the
-same, on a slower path taken only for text that holds such a byte.
 """
 import base64
 import itertools
@@ -104,9 +100,9 @@ class Tokenizer:
         return [t for piece in pieces for t in self._encode_piece(piece.encode())]
 
     def _encode_piece(self, piece):
-        """One regex piece holding bytes the vocab lacks, as tokenizers' BPE does it: the bytes are dropped and the
-        rest merged as one word; with an unk token, each byte (each run with fuse_unk) becomes unk and the parts
-        between are merged separately."""
+        """One regex piece holding bytes the vocab lacks (SmolLM2 lacks 21 of the 256), as tokenizers' BPE does it: the
+        bytes are dropped and the rest merged as one word; with an unk token, each byte (each run with fuse_unk)
+        becomes unk and the parts between are merged separately. Only text holding such a byte takes this path."""
         parts = self._missing_re.split(piece)  # kept, missing run, kept, ..., kept
         if self.unk_id is None:
             kept = b"".join(parts[0::2])
@@ -390,11 +386,5 @@ def split_regex(pre, unsupported):
 def bytes_to_unicode():
     """GPT-2's map from each byte to a printable character (how byte-level BPE vocabs are spelled)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:  # control bytes and space move to 256.. so every token prints
-            chars[b] = chr(256 + n)
-            n += 1
-    return chars
+    moved = [b for b in range(256) if b not in printable]  # control bytes and space, to 256.. so every token prints
+    return {b: chr(b) if b in printable else chr(256 + moved.index(b)) for b in range(256)}
