@@ -303,28 +303,22 @@ def save_pretrained(model, path, max_shard_bytes=5 * 2**30, state=None):
         size += nbytes
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    # a previous export goes first: its index or shards would be loaded instead of these, and a file written over keeps
+    # its mode (save_file's is 0600) where a new one gets the umask's, so others can read it
     os.makedirs(path, exist_ok=True)
+    for fname in os.listdir(path):
+        if fname in ("config.json", "model.safetensors", "model.safetensors.index.json") or (
+                fname.startswith("model-") and "-of-" in fname and fname.endswith(".safetensors")):
+            os.remove(os.path.join(path, fname))
     for fname, shard in zip(names, shards):
         with open(os.path.join(path, fname), "wb") as f:
             _write_safetensors_header(f, [(_hf_key(n), shapes[n], state[n].dtype, sizes[n]) for n in shard])
             for name in shard:
                 t = _gather_rows(state[name].detach(), write=True)
                 f.write(t[:shapes[name][0]].contiguous().cpu().view(-1).view(torch.uint8).numpy())  # no copy
-    written = ["config.json"] + names
     if len(shards) > 1:
         weight_map = {_hf_key(name): fname for fname, shard in zip(names, shards) for name in shard}
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
-        written.append("model.safetensors.index.json")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_to_hf(model.config, model.embed_tokens.weight.dtype), f, indent=2)
-    for fname in os.listdir(path):  # a previous export's index or shards would be loaded instead of these
-        stale = fname in ("model.safetensors", "model.safetensors.index.json") or (
-            fname.startswith("model-") and "-of-" in fname and fname.endswith(".safetensors"))
-        if stale and fname not in written:
-            os.remove(os.path.join(path, fname))
-    # open() keeps an older file's mode (save_file's is 0600): give each the mode a new file gets, so others can read
-    umask = os.umask(0)
-    os.umask(umask)
-    for fname in written:
-        os.chmod(os.path.join(path, fname), 0o666 & ~umask)
