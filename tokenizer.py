@@ -130,28 +130,9 @@ class Tokenizer:
         return self.enc.decode(list(ids), errors="replace")
 
     # chats ----------------------------------------------------------------------------------------
-    def render(self, messages):
-        """[{"role", "content"}, ...] -> (ids, loss_mask), two lists of equal length."""
-        return self._render(messages)
-
-    def render_prompt(self, messages):
-        """The ids to feed for generation: the conversation so far + an open assistant turn."""
-        if self.template == "model":
-            return self._render(messages, add_generation_prompt=True)[0]
-        header = TEMPLATES[self.template]["header"].format(role="assistant")
-        return self.render(messages)[0] + self._trusted(header)
-
-    def render_pair(self, prompt, chosen, rejected):
-        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant messages)
-        -> ((ids_chosen, mask_chosen), (ids_rejected, mask_rejected)). The masks cover the responses only:
-        assistant turns inside the prompt are context here, not trained."""
-        def turns(x, role):
-            return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
-        prompt = turns(prompt, "user")
-        return tuple(self._render(prompt + turns(response, "assistant"), trained_from=len(prompt))
-                     for response in (chosen, rejected))
-
-    def _render(self, messages, add_generation_prompt=False, trained_from=0):
+    def render(self, messages, add_generation_prompt=False, trained_from=0):
+        """[{"role", "content"}, ...] -> (ids, loss_mask), two lists of equal length; the assistant messages from
+        index trained_from on are trained. add_generation_prompt: an open assistant turn follows (untrained)."""
         for m in messages:
             if m["role"] not in ROLES:
                 raise ValueError(f"unknown role {m['role']!r}; expected one of {ROLES}")
@@ -167,7 +148,24 @@ class Tokenizer:
             trained = int(m["role"] == "assistant" and i >= trained_from)
             ids += header + body + after
             mask += [0] * len(header) + [trained] * len(body) + [0] * len(after)
+        if add_generation_prompt:
+            header = self._trusted(t["header"].format(role="assistant"))
+            ids, mask = ids + header, mask + [0] * len(header)
         return ids, mask
+
+    def render_prompt(self, messages):
+        """The ids to feed for generation: the conversation so far + an open assistant turn."""
+        return self.render(messages, add_generation_prompt=True)[0]
+
+    def render_pair(self, prompt, chosen, rejected):
+        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant messages)
+        -> ((ids_chosen, mask_chosen), (ids_rejected, mask_rejected)). The masks cover the responses only:
+        assistant turns inside the prompt are context here, not trained."""
+        def turns(x, role):
+            return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
+        prompt = turns(prompt, "user")
+        return tuple(self.render(prompt + turns(response, "assistant"), trained_from=len(prompt))
+                     for response in (chosen, rejected))
 
     def _trusted(self, s):
         # built-in template strings (ours, not the user's) may contain special tokens
