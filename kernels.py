@@ -20,8 +20,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 IGNORE_INDEX = -100
 
-# -----------------------------------------------------------------------------
-# RoPE: Q and K in one launch, reading the packed position ids
+# RoPE: Q and K in one launch, reading the packed position ids ---------------------------------------------------------
 
 if HAS_TRITON:
     @triton.jit
@@ -105,8 +104,7 @@ def rope_fused(q, k, cos, sin, position_ids):
     return _rope_op(q, k, cos, sin, position_ids.contiguous(), False)
 
 
-# -----------------------------------------------------------------------------
-# LM head + loss over chunks of tokens: peak memory O(chunk * vocab), never O(T * vocab)
+# LM head + loss over chunks of tokens: peak memory O(chunk * vocab), never O(T * vocab) -------------------------------
 
 # A chunk holds two (chunk, vocab) float32 buffers: 2048 x 128k x 4 bytes = 1 GiB each, still a large matmul.
 LOSS_CHUNK = 2048

@@ -36,8 +36,7 @@ try:
 except ImportError:
     varlen_attn = None
 
-# -----------------------------------------------------------------------------
-# Config
+# Config ---------------------------------------------------------------------------------------------------------------
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3")  # Hugging Face model_type values
 
@@ -112,8 +111,7 @@ def config_from_preset(name, **overrides):
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
-# -----------------------------------------------------------------------------
-# RMSNorm
+# RMSNorm --------------------------------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -127,8 +125,7 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-# -----------------------------------------------------------------------------
-# RoPE: inverse frequencies (with Llama-3 / linear scaling), the eager reference, dispatch to the fused kernel
+# RoPE: inverse frequencies (with Llama-3 / linear scaling), the eager reference, dispatch to the fused kernel ---------
 
 def rope_inv_freq(config):
     dim, base = config.head_dim, config.rope_theta
@@ -180,8 +177,7 @@ def apply_rope(q, k, cos, sin, position_ids):
     return rope_reference(q, k, cos, sin, position_ids)
 
 
-# -----------------------------------------------------------------------------
-# Attention over a packed stream: one dispatch function, backend chosen once per device type
+# Attention over a packed stream: one dispatch function, backend chosen once per device type ---------------------------
 
 _ATTN_BACKEND = {}  # device type -> backend name; tests may set it to force a backend
 
@@ -268,8 +264,7 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(T, -1))
 
 
-# -----------------------------------------------------------------------------
-# MLP and Block
+# MLP and Block --------------------------------------------------------------------------------------------------------
 
 class MLP(nn.Module):
     def __init__(self, config):
@@ -295,8 +290,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# -----------------------------------------------------------------------------
-# The model
+# The model ------------------------------------------------------------------------------------------------------------
 
 class Transformer(nn.Module):
     def __init__(self, config):
