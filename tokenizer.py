@@ -158,9 +158,8 @@ class Tokenizer:
         return self.render(messages, add_generation_prompt=True)[0]
 
     def render_pair(self, prompt, chosen, rejected):
-        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant messages)
-        -> ((ids_chosen, mask_chosen), (ids_rejected, mask_rejected)). The masks cover the responses only:
-        assistant turns inside the prompt are context here, not trained."""
+        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant messages) ->
+        ((ids, mask) of chosen, (ids, mask) of rejected); only the responses are trained, the prompt is context."""
         def turns(x, role):
             return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
         prompt = turns(prompt, "user")
@@ -258,9 +257,8 @@ class Tokenizer:
 
     @classmethod
     def from_hf_json(cls, path, template=None, chat_template=None, bos=None):
-        """A Hugging Face tokenizer.json holding a byte-level BPE, converted to tiktoken ranks. chat_template: (source,
-        variables, where) of the folder's own template, used when template is None (or "model"); without one, a
-        built-in format is guessed from the added tokens."""
+        """A Hugging Face tokenizer.json holding a byte-level BPE, as tiktoken ranks. template None (or "model"): the
+        folder's own chat_template (read_chat_template's tuple) if given, else a format guessed from added tokens."""
         with open(path, encoding="utf-8") as f:
             tj = json.load(f)
         model = tj.get("model") or {}
