@@ -7,8 +7,7 @@ special tokens as variables. Without one (and for the byte-level tokenizer) a bu
 
 Trained (loss mask 1): an assistant message's content as the template writes it, and the special token right after it
 with only whitespace between (the end of the turn); all else is 0 (bos, headers, default system prompts, system and
-user turns, Qwen3's empty <think></think> block). A reply is found by rendering again with it replaced by a character
-the text lacks: the two renderings differ exactly there. Tokenizer.render turns the text and spans into ids and mask.
+user turns, Qwen3's empty <think></think> block). Tokenizer.render turns text and reply spans into ids and mask.
 """
 import hashlib
 import json
@@ -34,8 +33,7 @@ TEMPLATE_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 
 def read_chat_template(folder, config):
     """The folder's own chat template as transformers picks it: chat_template.jinja, else tokenizer_config.json's
-    "chat_template" (a string, or named templates of which "default" is used) -> (source, variables, where) or None.
-    variables: the special tokens the template may use."""
+    "chat_template" (a string, or named ones: "default") -> (source, the special tokens it may use, where) or None."""
     where = os.path.join(folder, "chat_template.jinja")
     if os.path.exists(where):
         with open(where, encoding="utf-8") as f:
@@ -67,9 +65,8 @@ class GenerationBlock(jinja2.ext.Extension):
 
 
 def compile_chat_template(source, where):
-    """A chat template compiled the way transformers compiles it (chat_template_utils.py): a sandbox that cannot
-    reach Python internals, trim_blocks + lstrip_blocks, {% break %}/{% continue %}, and the globals raise_exception /
-    strftime_now and a tojson that does not escape HTML."""
+    """A template compiled as transformers does (chat_template_utils.py): a sandbox that cannot reach Python internals,
+    trim_blocks + lstrip_blocks, {% break %}/{% continue %}, raise_exception, strftime_now, tojson not escaping HTML."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols, GenerationBlock])
 

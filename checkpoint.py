@@ -32,10 +32,9 @@ TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # LoRA: the
 
 
 def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None):
-    """Model and optimizer into a fresh DCP folder (replicated weights, 1 process or DDP, are written once), then
-    rank 0 replaces ckpt.pt and only then removes older folders. extra: the script's own state (run.saved on
-    resume). Weights that are not all finite, or whose evaluation is not, are never written: the previous
-    checkpoint stays. -> whether it was written."""
+    """Model and optimizer into a fresh DCP folder (replicated weights, 1 process or DDP, are written once), then rank 0
+    replaces ckpt.pt and only then removes older folders. extra: the script's own state (run.saved on resume).
+    -> whether it was written: weights that are not all finite, or whose evaluation is not, never are."""
     bad = [k for k, v in (evaluation or {}).items() if not math.isfinite(v)]
     if bad or not all_finite(run.model):
         print0(f"iter {iter_num}: {'the weights are' if not bad else ', '.join(bad) + ' is'} not finite: checkpoint "

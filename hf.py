@@ -22,8 +22,7 @@ def config_from_hf(hf, source="config.json"):
         raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported: {why}")
 
     def get(key, kind=int, default=None, required=False, within=None):
-        """hf[key] (or hf[within][key]), checked: a string "2" or a bool would otherwise flow into
-        shapes and arithmetic. Numbers must be positive; an int is accepted where a float is expected."""
+        """hf[key] (or hf[within][key]), a positive number (an int also where a float is expected) or a bool."""
         v = (hf if within is None else hf[within]).get(key)
         name = key if within is None else f"{within}.{key}"
         if v is None:
@@ -215,14 +214,8 @@ class SafetensorsFolder:
     def keys(self):
         return self.files.keys()
 
-    def has(self, key):
-        return key in self.files
-
     def shape(self, key):
         return tuple(self.files[key].get_slice(key).get_shape())
-
-    def dtype(self, key):
-        return self.read(key, 0, 1).dtype
 
     def read(self, key, start=0, stop=None):
         """Rows start:stop of a tensor (all of a 1-D one's elements in that range), as a new CPU tensor."""
@@ -237,7 +230,7 @@ def from_pretrained(path, dtype=None, device="cpu"):
     files = SafetensorsFolder(path)
     with torch.device("meta"):
         model = Transformer(config)
-    model.to(dtype=dtype or files.dtype("model.embed_tokens.weight")).to_empty(device=device)
+    model.to(dtype=dtype or files.read("model.embed_tokens.weight", 0, 1).dtype).to_empty(device=device)
     load_hf_weights(model, files)
     return model
 
@@ -251,7 +244,7 @@ def load_hf_weights(model, files, params=None):
     params = list(model.named_parameters() if params is None else params)
     path, cfg = files.path, model.config
     unused = {k for k in files.keys() if not k.endswith("rotary_emb.inv_freq")}  # old exports' RoPE buffers
-    tied_copy = cfg.tie_embeddings and files.has("lm_head.weight")  # some exports also write the tied head
+    tied_copy = cfg.tie_embeddings and "lm_head.weight" in files.keys()  # some exports also write the tied head
     if tied_copy:
         unused.discard("lm_head.weight")  # checked against the embedding below
     for name, p in params:
@@ -292,9 +285,12 @@ def save_pretrained(model, path, max_shard_bytes=5 * 2**30, state=None):
     """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads: headers
     first, from the shapes, then one tensor at a time. Under FSDP2 every rank calls this and sends its rows to global
     rank 0. state: what to write instead of model.state_dict() (LoRA: the merged weights), with the same names."""
-    write = not dist.is_initialized() or dist.get_rank() == 0
-    V = model.config.vocab_size
     state = model.state_dict() if state is None else state  # FSDP2: DTensors, each rank holding its own rows
+    if dist.is_initialized() and dist.get_rank() != 0:  # send this rank's rows, tensor by tensor as rank 0 writes
+        for t in state.values():
+            _gather_rows(t.detach(), write=False)
+        return
+    V = model.config.vocab_size
     shapes = {name: (V if name in ("embed_tokens.weight", "lm_head.weight") else t.shape[0], *t.shape[1:])
               for name, t in state.items()}  # without our vocab padding
     sizes = {name: math.prod(shapes[name]) * t.element_size() for name, t in state.items()}
@@ -307,35 +303,22 @@ def save_pretrained(model, path, max_shard_bytes=5 * 2**30, state=None):
         size += nbytes
     names = ["model.safetensors"] if len(shards) == 1 else [
         f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
-    if write:
-        os.makedirs(path, exist_ok=True)
+    # a previous export goes first: its index or shards would be loaded instead of these, and a file written over keeps
+    # its mode (save_file's is 0600) where a new one gets the umask's, so others can read it
+    os.makedirs(path, exist_ok=True)
+    for fname in os.listdir(path):
+        if fname in ("config.json", "model.safetensors", "model.safetensors.index.json") or (
+                fname.startswith("model-") and "-of-" in fname and fname.endswith(".safetensors")):
+            os.remove(os.path.join(path, fname))
     for fname, shard in zip(names, shards):
-        f = open(os.path.join(path, fname), "wb") if write else None
-        if write:
+        with open(os.path.join(path, fname), "wb") as f:
             _write_safetensors_header(f, [(_hf_key(n), shapes[n], state[n].dtype, sizes[n]) for n in shard])
-        for name in shard:
-            t = _gather_rows(state[name].detach(), write)
-            if write:
+            for name in shard:
+                t = _gather_rows(state[name].detach(), write=True)
                 f.write(t[:shapes[name][0]].contiguous().cpu().view(-1).view(torch.uint8).numpy())  # no copy
-        if write:
-            f.close()
-    if not write:
-        return
-    written = ["config.json"] + names
     if len(shards) > 1:
         weight_map = {_hf_key(name): fname for fname, shard in zip(names, shards) for name in shard}
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
             json.dump({"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}, f, indent=2)
-        written.append("model.safetensors.index.json")
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config_to_hf(model.config, model.embed_tokens.weight.dtype), f, indent=2)
-    for fname in os.listdir(path):  # a previous export's index or shards would be loaded instead of these
-        stale = fname in ("model.safetensors", "model.safetensors.index.json") or (
-            fname.startswith("model-") and "-of-" in fname and fname.endswith(".safetensors"))
-        if stale and fname not in written:
-            os.remove(os.path.join(path, fname))
-    # open() keeps an older file's mode (save_file's is 0600): give each the mode a new file gets, so others can read
-    umask = os.umask(0)
-    os.umask(umask)
-    for fname in written:
-        os.chmod(os.path.join(path, fname), 0o666 & ~umask)

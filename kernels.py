@@ -20,8 +20,7 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 IGNORE_INDEX = -100
 
-# -----------------------------------------------------------------------------
-# RoPE: Q and K in one launch, reading the packed position ids
+# RoPE: Q and K in one launch, reading the packed position ids ---------------------------------------------------------
 
 if HAS_TRITON:
     @triton.jit
@@ -105,8 +104,7 @@ def rope_fused(q, k, cos, sin, position_ids):
     return _rope_op(q, k, cos, sin, position_ids.contiguous(), False)
 
 
-# -----------------------------------------------------------------------------
-# LM head + loss over chunks of tokens: peak memory O(chunk * vocab), never O(T * vocab)
+# LM head + loss over chunks of tokens: peak memory O(chunk * vocab), never O(T * vocab) -------------------------------
 
 # A chunk holds two (chunk, vocab) float32 buffers: 2048 x 128k x 4 bytes = 1 GiB each, still a large matmul.
 LOSS_CHUNK = 2048
@@ -140,30 +138,38 @@ def _select(h, w, targets, dtype):
     return idx, h.index_select(0, idx).to(dtype), w.to(dtype), targets.index_select(0, idx)
 
 
+def _loss_and_grads(h, w, targets, vocab_size, scales, dtype, need_grad):
+    """-sum_t scale_t * log p(target_t) (scales (T,) or None: all 1) chunk by chunk, with its gradients if need_grad
+    -> (loss float32, grad_h like h, grad_w float32), the gradients None without need_grad."""
+    idx, hs, wc, ts = _select(h, w, targets, dtype)
+    scales = None if scales is None else scales.index_select(0, idx).float()
+    loss, grad_h, grad_w = torch.zeros((), device=h.device, dtype=torch.float32), None, None
+    if need_grad:
+        grad_hs = torch.empty_like(hs)
+        grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+    for s in range(0, hs.shape[0], LOSS_CHUNK):
+        hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
+        sc = None if scales is None else scales[s:s + LOSS_CHUNK]
+        logp, tgt = _chunk_logprobs(hc, wc, tc, vocab_size)
+        loss -= tgt.sum() if sc is None else (tgt * sc).sum()
+        if need_grad:
+            grad_hs[s:s + LOSS_CHUNK], gw = _chunk_grads(logp, hc, wc, tc, sc, dtype)
+            grad_w[:vocab_size] += gw
+    if need_grad:
+        grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
+    return loss, grad_h, grad_w
+
+
 class ChunkedCrossEntropy(torch.autograd.Function):
     """sum_t weight_t * CE(h_t @ W^T, target_t). The weights are known up front, so the gradients are computed
     chunk by chunk in the forward (3 matmuls per chunk, not 4) and the backward only scales them."""
 
     @staticmethod
     def forward(ctx, h, w, targets, vocab_size, weights, need_grad):
-        dtype = _compute_dtype(h)
+        dtype = _compute_dtype(h)  # read before autocast is switched off
         with torch.autocast(h.device.type, enabled=False):
-            idx, hs, wc, ts = _select(h, w, targets, dtype)
-            ws = None if weights is None else weights.index_select(0, idx).float()
-            loss = torch.zeros((), device=h.device, dtype=torch.float32)
-            if need_grad:
-                grad_hs = torch.empty_like(hs)
-                grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
-            for s in range(0, hs.shape[0], LOSS_CHUNK):
-                hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
-                logp, tgt = _chunk_logprobs(hc, wc, tc, vocab_size)
-                wt = None if ws is None else ws[s:s + LOSS_CHUNK]
-                loss -= tgt.sum() if wt is None else (tgt * wt).sum()
-                if need_grad:
-                    grad_hs[s:s + LOSS_CHUNK], gw = _chunk_grads(logp, hc, wc, tc, wt, dtype)
-                    grad_w[:vocab_size] += gw
+            loss, grad_h, grad_w = _loss_and_grads(h, w, targets, vocab_size, weights, dtype, need_grad)
         if need_grad:
-            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
             ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
         return loss
 
@@ -193,17 +199,8 @@ class ChunkedLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         h, w, targets = ctx.saved_tensors
-        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
-            idx, hs, wc, ts = _select(h, w, targets, ctx.dtype)
-            grad_hs = torch.empty_like(hs)
-            grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
-            scales = -grad_out.index_select(0, idx).float()  # d log p = -d(-log p)
-            for s in range(0, hs.shape[0], LOSS_CHUNK):
-                hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
-                logp, _ = _chunk_logprobs(hc, wc, tc, ctx.vocab_size)
-                grad_hs[s:s + LOSS_CHUNK], gw = _chunk_grads(logp, hc, wc, tc, scales[s:s + LOSS_CHUNK], ctx.dtype)
-                grad_w[:ctx.vocab_size] += gw
-            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):  # d log p = -d(-log p): scales -grad_out
+            _, grad_h, grad_w = _loss_and_grads(h, w, targets, ctx.vocab_size, -grad_out, ctx.dtype, True)
         return grad_h, grad_w.to(w.dtype), None, None
 
 

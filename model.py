@@ -23,7 +23,6 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 import kernels
-from kernels import chunked_cross_entropy, chunked_logprobs
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -37,8 +36,7 @@ try:
 except ImportError:
     varlen_attn = None
 
-# -----------------------------------------------------------------------------
-# Config
+# Config ---------------------------------------------------------------------------------------------------------------
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3")  # Hugging Face model_type values
 
@@ -113,8 +111,7 @@ def config_from_preset(name, **overrides):
     return ModelConfig(**{**PRESETS[name], **overrides})
 
 
-# -----------------------------------------------------------------------------
-# RMSNorm
+# RMSNorm --------------------------------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -125,12 +122,10 @@ class RMSNorm(nn.Module):
     def forward(self, x):
         # statistics in float32 whatever the activation dtype (bf16 squares lose digits), like the reference
         xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-# -----------------------------------------------------------------------------
-# RoPE: inverse frequencies (with Llama-3 / linear scaling), the eager reference, dispatch to the fused kernel
+# RoPE: inverse frequencies (with Llama-3 / linear scaling), the eager reference, dispatch to the fused kernel ---------
 
 def rope_inv_freq(config):
     dim, base = config.head_dim, config.rope_theta
@@ -182,8 +177,7 @@ def apply_rope(q, k, cos, sin, position_ids):
     return rope_reference(q, k, cos, sin, position_ids)
 
 
-# -----------------------------------------------------------------------------
-# Attention over a packed stream: one dispatch function, backend chosen once per device type
+# Attention over a packed stream: one dispatch function, backend chosen once per device type ---------------------------
 
 _ATTN_BACKEND = {}  # device type -> backend name; tests may set it to force a backend
 
@@ -205,8 +199,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_se
     left = -1 if sliding_window is None else sliding_window - 1  # tokens seen before the query
     cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     if backend == "flash_attn":
-        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k,
-                                      causal=True, window_size=(left, 0))
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, causal=True, window_size=(left, 0))
     if backend == "torch_varlen":
         return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k,
                            window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
@@ -271,8 +264,7 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(T, -1))
 
 
-# -----------------------------------------------------------------------------
-# MLP and Block
+# MLP and Block --------------------------------------------------------------------------------------------------------
 
 class MLP(nn.Module):
     def __init__(self, config):
@@ -298,8 +290,7 @@ class Block(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
-# -----------------------------------------------------------------------------
-# The model
+# The model ------------------------------------------------------------------------------------------------------------
 
 class Transformer(nn.Module):
     def __init__(self, config):
@@ -346,8 +337,7 @@ class Transformer(nn.Module):
         """The trunk: (T,) token ids -> (T, d_model) final-normed hidden states."""
         T = input_ids.shape[0]
         if cu_seqlens is None:  # a plain (T,) call is one sequence
-            cu_seqlens = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device)
-            max_seqlen = T
+            cu_seqlens, max_seqlen = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device), T
         if position_ids is None:
             assert cu_seqlens.numel() == 2, "packed input needs position_ids restarting at 0 per sequence"
             position_ids = torch.arange(T, device=input_ids.device)
@@ -388,8 +378,8 @@ class Transformer(nn.Module):
             h = h if logits_at is None else h[logits_at]
             return F.linear(h, w)[:, :V]
         if logprobs:
-            return chunked_logprobs(h, w, targets, V)
-        return chunked_cross_entropy(h, w, targets, V, loss_weights)
+            return kernels.chunked_logprobs(h, w, targets, V)
+        return kernels.chunked_cross_entropy(h, w, targets, V, loss_weights)
 
     def flops_per_token(self, seq_lens, head_tokens=None, key_lens=None):
         """Training FLOPs per real token of a packed batch with these sequence lengths: 6 per matmul parameter

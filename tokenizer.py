@@ -8,10 +8,6 @@ Tokenizers, tiktoken underneath. Three ways to get one, all offline:
 render(messages) -> (ids, loss_mask), the mask by chat_template.py's rule. The rendered text is cut at the special
 tokens the template wrote and the pieces between are encoded: apply_chat_template's ids with
 sanitize_control_tokens=True (special-token text in the data stays plain text: it cannot inject a turn boundary).
-
-Vocabularies that lack single bytes (SmolLM2 lacks 21 of the 256): `tokenizers` drops a byte it cannot spell and the
-bytes around it may then merge; with an unk_token it emits unk instead (one per run with fuse_unk). encode does the
-same, on a slower path taken only for text that holds such a byte.
 """
 import base64
 import itertools
@@ -104,9 +100,9 @@ class Tokenizer:
         return [t for piece in pieces for t in self._encode_piece(piece.encode())]
 
     def _encode_piece(self, piece):
-        """One regex piece holding bytes the vocab lacks, as tokenizers' BPE does it: the bytes are dropped and the
-        rest merged as one word; with an unk token, each byte (each run with fuse_unk) becomes unk and the parts
-        between are merged separately."""
+        """One regex piece holding bytes the vocab lacks (SmolLM2 lacks 21 of the 256), as tokenizers' BPE does it: the
+        bytes are dropped and the rest merged as one word; with an unk token, each byte (each run with fuse_unk)
+        becomes unk and the parts between are merged separately. Only text holding such a byte takes this path."""
         parts = self._missing_re.split(piece)  # kept, missing run, kept, ..., kept
         if self.unk_id is None:
             kept = b"".join(parts[0::2])
@@ -134,28 +130,9 @@ class Tokenizer:
         return self.enc.decode(list(ids), errors="replace")
 
     # chats ----------------------------------------------------------------------------------------
-    def render(self, messages):
-        """[{"role", "content"}, ...] -> (ids, loss_mask), two lists of equal length."""
-        return self._render(messages)
-
-    def render_prompt(self, messages):
-        """The ids to feed for generation: the conversation so far + an open assistant turn."""
-        if self.template == "model":
-            return self._render(messages, add_generation_prompt=True)[0]
-        header = TEMPLATES[self.template]["header"].format(role="assistant")
-        return self.render(messages)[0] + self._trusted(header)
-
-    def render_pair(self, prompt, chosen, rejected):
-        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant messages)
-        -> ((ids_chosen, mask_chosen), (ids_rejected, mask_rejected)). The masks cover the responses only:
-        assistant turns inside the prompt are context here, not trained."""
-        def turns(x, role):
-            return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
-        prompt = turns(prompt, "user")
-        return tuple(self._render(prompt + turns(response, "assistant"), trained_from=len(prompt))
-                     for response in (chosen, rejected))
-
-    def _render(self, messages, add_generation_prompt=False, trained_from=0):
+    def render(self, messages, add_generation_prompt=False, trained_from=0):
+        """[{"role", "content"}, ...] -> (ids, loss_mask), two lists of equal length; the assistant messages from
+        index trained_from on are trained. add_generation_prompt: an open assistant turn follows (untrained)."""
         for m in messages:
             if m["role"] not in ROLES:
                 raise ValueError(f"unknown role {m['role']!r}; expected one of {ROLES}")
@@ -171,7 +148,23 @@ class Tokenizer:
             trained = int(m["role"] == "assistant" and i >= trained_from)
             ids += header + body + after
             mask += [0] * len(header) + [trained] * len(body) + [0] * len(after)
+        if add_generation_prompt:
+            header = self._trusted(t["header"].format(role="assistant"))
+            ids, mask = ids + header, mask + [0] * len(header)
         return ids, mask
+
+    def render_prompt(self, messages):
+        """The ids to feed for generation: the conversation so far + an open assistant turn."""
+        return self.render(messages, add_generation_prompt=True)[0]
+
+    def render_pair(self, prompt, chosen, rejected):
+        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant messages) ->
+        ((ids, mask) of chosen, (ids, mask) of rejected); only the responses are trained, the prompt is context."""
+        def turns(x, role):
+            return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
+        prompt = turns(prompt, "user")
+        return tuple(self.render(prompt + turns(response, "assistant"), trained_from=len(prompt))
+                     for response in (chosen, rejected))
 
     def _trusted(self, s):
         # built-in template strings (ours, not the user's) may contain special tokens
@@ -264,9 +257,8 @@ class Tokenizer:
 
     @classmethod
     def from_hf_json(cls, path, template=None, chat_template=None, bos=None):
-        """A Hugging Face tokenizer.json holding a byte-level BPE, converted to tiktoken ranks. chat_template: (source,
-        variables, where) of the folder's own template, used when template is None (or "model"); without one, a
-        built-in format is guessed from the added tokens."""
+        """A Hugging Face tokenizer.json holding a byte-level BPE, as tiktoken ranks. template None (or "model"): the
+        folder's own chat_template (read_chat_template's tuple) if given, else a format guessed from added tokens."""
         with open(path, encoding="utf-8") as f:
             tj = json.load(f)
         model = tj.get("model") or {}
@@ -390,11 +382,5 @@ def split_regex(pre, unsupported):
 def bytes_to_unicode():
     """GPT-2's map from each byte to a printable character (how byte-level BPE vocabs are spelled)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, n = {}, 0
-    for b in range(256):
-        if b in printable:
-            chars[b] = chr(b)
-        else:  # control bytes and space move to 256.. so every token prints
-            chars[b] = chr(256 + n)
-            n += 1
-    return chars
+    moved = [b for b in range(256) if b not in printable]  # control bytes and space, to 256.. so every token prints
+    return {b: chr(b) if b in printable else chr(256 + moved.index(b)) for b in range(256)}
