@@ -21,7 +21,7 @@ import time
 import torch
 
 import lora
-from data.prepare import data_files, peek_kind
+from data.prepare import OVERLONG, data_files, peek_kind
 from model import PRESETS
 from parallel import is_master
 from tokenizer import Tokenizer
@@ -99,17 +99,15 @@ def check_config(c, kind, choices):
         raise SystemExit(f"config error: {key}={c[key]!r}; {accepted}")
 
     choices = dict(device=("auto", "cpu", "cuda"), dtype=("auto", "bfloat16", "float32"), compile=("auto", True, False),
-                   parallel=("ddp", "fsdp"),
-                   overlong=("error", "truncate", "skip"), loss_weighting=("token", "sequence"), **choices)
+                   parallel=("ddp", "fsdp"), overlong=OVERLONG, loss_weighting=("token", "sequence"), **choices)
     for key, allowed in choices.items():
         if key in c and c[key] not in allowed:
             why = "; float16 needs loss scaling that nanopack does not do: bfloat16 has float32's range" * (
                 c[key] in ("float16", "fp16", "half"))
             bad(key, f"choose one of {', '.join(allowed)}{why}")
     at_least = dict(lora_rank=0, batch_size=1, microbatch_tokens=1, log_interval=1, max_len=1, max_bad_steps=1,
-                    dist_timeout=1,
-                    max_iters=0, eval_interval=0, eval_examples=0, warmup_iters=0, weight_decay=0.0, grad_clip=0.0,
-                    min_lr=0.0, label_smoothing=0.0, sft_weight=0.0)
+                    dist_timeout=1, max_iters=0, eval_interval=0, eval_examples=0, warmup_iters=0, weight_decay=0.0,
+                    grad_clip=0.0, min_lr=0.0, label_smoothing=0.0, sft_weight=0.0)
     for key, low in at_least.items():
         if key in c and c[key] < low:
             bad(key, f"it must be at least {low}")
@@ -118,10 +116,9 @@ def check_config(c, kind, choices):
             bad(key, "it must be a finite number greater than 0")
     if c["min_lr"] > c["learning_rate"]:
         bad("min_lr", f"it must not exceed learning_rate={c['learning_rate']} (the schedule decays to it)")
-    if not 0 <= c["seed"] < 2**32:
-        bad("seed", "it must be in [0, 2**32)")
-    if not 0.0 <= c["val_fraction"] < 1.0:
-        bad("val_fraction", "it must be in [0, 1)")
+    for key, high in (("seed", 2**32), ("val_fraction", 1.0), ("lora_dropout", 1.0)):
+        if not 0 <= c[key] < high:
+            bad(key, f"it must be in [0, {'2**32' if key == 'seed' else 1})")
     if kind == "dpo" and (c["label_smoothing"] >= 0.5 or (c["label_smoothing"] and c["loss_type"] in ("ipo", "hinge"))):
         bad("label_smoothing", "it must be below 0.5, and 0 for ipo and hinge")
     check_lora(c, bad)
@@ -167,8 +164,6 @@ def check_lora(c, bad):
     number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
     if alpha is not None and not (number and 0 < alpha < math.inf):
         bad("lora_alpha", "it must be a number greater than 0 (None: 2 x lora_rank)")
-    if not 0.0 <= c["lora_dropout"] < 1.0:
-        bad("lora_dropout", "it must be in [0, 1)")
     unknown = [t for t in c["lora_targets"].split(",") if t not in lora.TARGETS]
     if unknown or not c["lora_targets"]:
         bad("lora_targets", f"no layer is called {', '.join(map(repr, unknown))}; a block's linear layers are "

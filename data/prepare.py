@@ -25,8 +25,7 @@ Accepted records (the first one decides SFT or DPO; one kind per input; other fi
 
 Output in out_dir, per split (train, val): <split>_ids.npy (uint16 if the vocab fits, else uint32),
 <split>_offsets.npy (int64, example i = ids[offsets[i]:offsets[i+1]]), <split>_mask.npy (uint8, 1 on
-trained tokens), and meta.json. A DPO pair i is examples 2i (chosen) and 2i+1 (rejected).
-load(out_dir, split) maps them back as the dict packing.py takes.
+trained tokens), and meta.json. A DPO pair i is examples 2i (chosen) and 2i+1 (rejected); load() reads them back.
 Each record goes to val with probability val_fraction, drawn from random.Random(seed) record by record;
 with --val_input, val is that input instead and val_fraction is not used.
 
@@ -312,8 +311,6 @@ class TokenWriter:
 def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra_meta=None, verbose=True):
     """items: iterable of (where, split, record) -> token files + meta.json in out_dir; returns meta
     (extra_meta included). meta.json is written last: its presence means the files are complete."""
-    if overlong not in OVERLONG:
-        raise ValueError(f"overlong={overlong!r}; expected one of {OVERLONG}")
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         os.remove(os.path.join(out_dir, "meta.json"))
