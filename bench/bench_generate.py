@@ -17,7 +17,7 @@ sequences' greedy output equals the cached run's.
 
 The second table: k sampled replies to each prompt (temperature 1, top_k 50, top_p 0.95, RL's setting), each prompt
 prefilled once (generate(num_samples=k)), prefilled k times (the prompt repeated k times), and transformers'
-generate(num_return_sequences=k); tok/s = new tokens / the full call. Both nanopack rows draw from one generator per
+generate(num_return_sequences=k); prefill and decode as above, tok/s = new tokens / the full call. Both nanopack rows draw from one generator per
 reply, seeded alike, so "same tokens" counts the replies where the two agree.
 """
 
@@ -70,24 +70,28 @@ def group_table(ours, ref, args):
                                                               generator=seeded(), **sampling),
         "transformers generate(num_return_sequences)": lambda m: hf_generate_k(ref, prompts, m, k),
     }
-    total, outs = {}, {}
+    prefill, total, outs = {}, {}, {}
     with torch.no_grad():
         for run in methods.values():
             run(2)  # warm-up
         for _ in range(args.rounds):
             for name, run in methods.items():
                 t0 = time.perf_counter()
+                run(1)
+                t1 = time.perf_counter()
                 outs[name] = run(new_tokens)
-                total[name] = min(total.get(name, 1e9), time.perf_counter() - t0)
+                prefill[name] = min(prefill.get(name, 1e9), t1 - t0)
+                total[name] = min(total.get(name, 1e9), time.perf_counter() - t1)
     print(f"\n{n} prompts of {args.prompt_len} tokens x {k} sampled replies of {new_tokens} new tokens")
-    print("| replies | method | prompt tokens read | time ms | tok/s | same tokens |")
-    print("|---|---|---|---|---|---|")
+    print("| replies | method | prompt tokens read | prefill ms | decode ms/step | tok/s | same tokens |")
+    print("|---|---|---|---|---|---|---|")
     read = {"nanopack, one prefill per prompt": n * args.prompt_len}
     base = outs["nanopack, one prefill per prompt"]
     for name in methods:
         same = f"{sum(a == b for a, b in zip(outs[name], base))}/{n * k}" if name.startswith("nanopack") else "-"
-        print(f"| {n} x {k} | {name} | {read.get(name, n * k * args.prompt_len)} | {total[name] * 1e3:.0f} | "
-              f"{n * k * new_tokens / total[name]:.1f} | {same} |", flush=True)
+        decode = (total[name] - prefill[name]) / max(new_tokens - 1, 1)
+        print(f"| {n} x {k} | {name} | {read.get(name, n * k * args.prompt_len)} | {prefill[name] * 1e3:.0f} | "
+              f"{decode * 1e3:.1f} | {n * k * new_tokens / total[name]:.1f} | {same} |", flush=True)
 
 
 def main():
@@ -118,9 +122,10 @@ def main():
         "nanopack, no cache": lambda prompts, n: generate(ours, prompts, n, kv_cache=False),
         "transformers generate": lambda prompts, n: hf_generate(ref, prompts, n),
     }
-    print("| batch | method | prefill ms | decode ms/step | tok/s | same tokens |")
-    print("|---|---|---|---|---|---|")
-    for B in [int(b) for b in args.batches.split(",") if b]:
+    batches = [int(b) for b in args.batches.split(",") if b]
+    if batches:
+        print("| batch | method | prefill ms | decode ms/step | tok/s | same tokens |\n|---|---|---|---|---|---|")
+    for B in batches:
         g = torch.Generator().manual_seed(B)
         lens = [args.prompt_len] if B == 1 else (args.prompt_len + torch.randint(-8, 9, (B,), generator=g)).tolist()
         prompts = [torch.randint(0, V, (n,), generator=g).tolist() for n in lens]
