@@ -70,25 +70,26 @@ def response_lengths(split_data, device):
 
 
 @torch.no_grad()
-def split_logps(model, split_data, budget, device, autocast, prefix=None):
-    """(P, 2) log-prob sums [chosen, rejected] of every pair of a split, forward only, the same on every rank:
-    each rank runs its share of the packed bins and the shares are summed over ranks. Every rank runs the same
-    number of forwards (a filler when its share is done), since under FSDP each forward is a collective.
-    prefix: the split's shared_prefixes(), each computed once (None: pairs laid out whole)."""
+def split_logps(model, split_data, budget, device, autocast, prefix=None, group_size=2):
+    """(P, 2) log-prob sums [chosen, rejected] of every pair of a split (groups of k sequences: (U, k)), forward only,
+    the same on every rank: each rank runs its share of the packed bins and the shares are summed over ranks. Every
+    rank runs the same number of forwards (a filler when its share is done), since under FSDP each forward is a
+    collective. prefix: the split's shared_prefixes(), each computed once (None: sequences laid out whole)."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     was_training = model.training
     model.eval()
-    lengths = np.diff(np.asarray(split_data["offsets"])).reshape(-1, 2).sum(1)  # (P,) tokens per pair
+    lengths = np.diff(np.asarray(split_data["offsets"])).reshape(-1, group_size).sum(1)  # (U,) tokens per group
     if prefix is not None:
         lengths = lengths - prefix
     bins = pack(lengths, budget) if len(lengths) else []
-    sums = torch.zeros(len(lengths), 2, device=device)
+    sums = torch.zeros(len(lengths), group_size, device=device)
     for i in range(-(-len(bins) // world_size)):
         j = rank + i * world_size
-        mb = make_batch(split_data, bins[j] if j < len(bins) else [], dpo=True, prefix=prefix).to(device)
+        units = bins[j] if j < len(bins) else []  # [] a filler
+        mb = make_batch(split_data, units, dpo=True, prefix=prefix, group_size=group_size).to(device)
         with autocast:
             logps = model(**mb.inputs(), logprobs=True)
-        sums[mb.units] = torch.stack(mb.pair_sums(logps), 1)
+        sums[mb.units] = mb.group_sums(logps, group_size)
     if dist.is_initialized():
         dist.all_reduce(sums)
     model.train(was_training)

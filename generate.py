@@ -1,6 +1,7 @@
 """
-Generation with a KV cache on the packed stream: a batch of prompts is read once, in one packed prefill, then each
-new token is one decode step over the unfinished sequences (no padding anywhere). Used by sample.py and evaluation.
+Generation with a KV cache on the packed stream: a batch of prompts is read once, in one packed prefill (however many
+replies each gets), then each new token is one decode step over the unfinished replies (no padding anywhere). Used by
+sample.py and evaluation.
 """
 import torch
 import torch.nn.functional as F
@@ -64,17 +65,40 @@ class KVCache:
         self.batch_size = len(rows)
 
 
+def sample(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
+    """(B, V) float logits -> (B,) next ids: argmax at temperature 0, else a draw from softmax(logits / temperature)
+    kept to the top_k tokens and to the nucleus, the fewest most likely tokens whose probability reaches top_p.
+    generator: one torch.Generator, one multinomial draw for the rows in order; or a list, one per row, each row
+    drawing from its own alone (the same tokens whatever else is in the batch)."""
+    if temperature == 0.0:
+        return logits.argmax(-1)
+    logits = logits / temperature
+    if top_k is not None:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, -1)
+    if top_p is not None and top_p < 1.0:  # 1.0 skipped: a float cumsum may reach 1 before the last tokens
+        sorted_probs, order = probs.sort(-1, descending=True)
+        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p  # the tokens before it already reach top_p
+        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
+    if isinstance(generator, (list, tuple)):
+        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator)])
+    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+
+
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k=None, generator=None,
-             sync_ranks=False, kv_cache=True):
-    """prompts: list of token-id lists. Returns the new tokens of each (the stop token included when hit).
-    temperature 0 is greedy decoding. sync_ranks: under FSDP every forward is a collective, so all ranks
-    step together until every rank is done (a rank with nothing left runs a one-token dummy forward).
-    kv_cache=False re-reads every sequence whole for each new token: the reference the cache is tested against."""
+             sync_ranks=False, kv_cache=True, num_samples=1, top_p=None):
+    """prompts: list of token-id lists. Returns the new tokens of num_samples replies to each prompt, reply j to prompt
+    i at i * num_samples + j (the stop token included when hit); each prompt is prefilled once and its cache row
+    copied to its replies. Sampling: see sample(); generator may be a list, one per reply. sync_ranks: under FSDP
+    every forward is a collective, so all ranks step together until every rank is done (a rank with nothing left
+    runs a one-token dummy forward). kv_cache=False re-reads every sequence whole for each new token: the reference
+    the cache is tested against."""
     device = next(model.parameters()).device
-    seqs = [list(p) for p in prompts]
-    new = [[] for _ in prompts]
-    active = list(range(len(prompts)))
+    seqs = [list(p) for p in prompts for _ in range(num_samples)]
+    new = [[] for _ in seqs]
+    active = list(range(len(seqs)))
     stop_ids = set(stop_ids)
     cache = KVCache(len(prompts), max(map(len, prompts)) + max_new_tokens) if kv_cache and prompts else None
     for step in range(max_new_tokens):
@@ -88,9 +112,11 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k
                 continue
         elif not active:
             break
+        prefill_once = cache is not None and step == 0  # a prompt's replies are all active at step 0
         if cache is None or step == 0:  # whole sequences (with a cache: the prefill of the prompts)
-            lens = [len(seqs[i]) for i in active]
-            ids = [t for i in active for t in seqs[i]]
+            read = active[::num_samples] if prefill_once else active
+            lens = [len(seqs[i]) for i in read]
+            ids = [t for i in read for t in seqs[i]]
             pos = torch.cat([torch.arange(n, device=device) for n in lens])
         else:  # one decode step: each sequence's newest token, at its position
             lens = [1] * len(active)
@@ -101,14 +127,11 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k
         # through forward, not the trunk directly, so that FSDP2's root hooks gather the embeddings and head
         logits = model(torch.tensor(ids, device=device), pos, cu, max_len, logits_at=cu[1:].long() - 1,
                        cache=cache).float()  # (B, V): each sequence's last token
-        if temperature == 0.0:
-            next_ids = logits.argmax(-1)
-        else:
-            logits = logits / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            next_ids = torch.multinomial(torch.softmax(logits, -1), 1, generator=generator).squeeze(1)
+        if prefill_once and num_samples > 1:  # each prompt's last logits and cache row, once per reply
+            logits = logits.repeat_interleave(num_samples, 0)
+            cache.keep([i for i in range(len(prompts)) for _ in range(num_samples)])
+        per_reply = isinstance(generator, (list, tuple))  # a generator per reply, following the active rows
+        next_ids = sample(logits, temperature, top_k, top_p, [generator[i] for i in active] if per_reply else generator)
         still, rows = [], []
         for row, (i, t) in enumerate(zip(active, next_ids.tolist())):
             seqs[i].append(t)

@@ -7,10 +7,11 @@ loss_mask (M,), 1 on the tokens to learn. DPO: examples 2p and 2p+1 are pair p's
 The label shift happens here, once: targets[t] is the token position t must predict (the next one, if trained and
 in the same sequence, else IGNORE_INDEX); the model knows nothing of shifting or boundaries.
 
-DPO prefix sharing: a pair whose sequences start with the same P tokens (the prompt) is laid out `prompt | chosen
-rest | rejected rest` (positions 0..P-1 | P.. | P..): the prompt is computed once, the rejected rest attending to it
-through a key/value stream of its own (kv_index: each sequence's rows, the prompt's twice; cu_seqlens_k). The
-prompt's last row then predicts two tokens, so DPO targets are triples (target_rows, targets, seq_ids).
+Prefix sharing: a group of k sequences that start with the same P tokens (the prompt; a DPO pair is k = 2, an RL
+group k replies to one prompt) is laid out `prompt | rest 1 | ... | rest k` (positions 0..P-1 | P.. | P..): the prompt
+is computed once, each later rest attending to it through a key/value stream of its own (kv_index: each sequence's
+rows, the prompt's k times; cu_seqlens_k). The prompt's last row then predicts k tokens, so targets are triples
+(target_rows, targets, seq_ids).
 """
 import heapq
 from bisect import bisect_left, insort
@@ -62,19 +63,33 @@ def pack(lengths, token_budget):
     return bins
 
 
-def shared_prefixes(data):
-    """DPO: (U,) how many tokens each pair's chosen and rejected sequences share at the start (the prompt, and
-    any identical first response tokens), at most one less than either length, so both keep a token of their own."""
+def shared_prefixes(data, group_size=2):
+    """Groups of group_size sequences (DPO pairs: 2): (U,) how many tokens all of a group's sequences share at the
+    start (the prompt, and any identical first reply tokens), at most one less than any of their lengths, so each
+    keeps a token of its own. A lone sequence (group_size 1) shares nothing."""
     offsets, ids = np.asarray(data["offsets"], dtype=np.int64), data["ids"]
-    chosen, rejected = offsets[0:-1:2], offsets[1:-1:2]
-    limit = np.minimum(offsets[1::2] - chosen, offsets[2::2] - rejected) - 1
-    shared = np.zeros(len(chosen), dtype=np.int64)
+    starts = offsets[:-1].reshape(-1, group_size)  # (U, k)
+    limit = np.diff(offsets).reshape(-1, group_size).min(1) - 1 if group_size > 1 else np.zeros(len(starts), int)
+    shared = np.zeros(len(starts), dtype=np.int64)
     active = np.flatnonzero(limit > 0)
-    while active.size:  # one token position per pass, over the pairs still equal so far: O(sum of prefixes)
-        active = active[ids[chosen[active] + shared[active]] == ids[rejected[active] + shared[active]]]
+    while active.size:  # one token position per pass, over the groups still equal so far: O(sum of prefixes)
+        tokens = ids[starts[active] + shared[active, None]]  # (A, k)
+        active = active[(tokens == tokens[:, :1]).all(1)]
         shared[active] += 1
         active = active[shared[active] < limit[active]]
     return shared
+
+
+def group_data(prompts, replies, masks=None):
+    """RL groups as token data: prompts, G token-id lists; replies, G lists of k token-id lists; masks, 0/1 per reply
+    token (None: all trained). -> the DPO layout, group g's sequences g*k .. g*k+k-1 each `prompt + reply`, the loss on
+    reply tokens only: make_batch(data, groups, dpo=True, prefix=shared_prefixes(data, k), group_size=k)."""
+    seqs = [(p, r, np.ones(len(r)) if masks is None else masks[g][j])
+            for g, (p, group) in enumerate(zip(prompts, replies)) for j, r in enumerate(group)]
+    cat = lambda parts, dtype: np.concatenate([np.asarray(x, dtype) for x in parts]) if parts else np.zeros(0, dtype)
+    return dict(ids=cat([t for p, r, _ in seqs for t in (p, r)], np.int64),
+                loss_mask=cat([t for p, _, m in seqs for t in (np.zeros(len(p)), m)], np.uint8),
+                offsets=np.cumsum([0] + [len(p) + len(r) for p, r, _ in seqs]).astype(np.int64))
 
 
 @dataclass
@@ -92,7 +107,7 @@ class PackedBatch:
     kv: object                     # None: keys = queries; prefix sharing: (kv_index (Tk,), cu_seqlens_k, max_seqlen_k)
     units: torch.Tensor            # (U,) long, the data's units in this batch: examples (SFT) or pairs (DPO)
     num_sequences: int             # N, real sequences (0 for a filler micro-batch); DPO: seqs 2j, 2j+1 = pair j
-    num_pairs: int                 # DPO: U, 0 for SFT
+    num_pairs: int                 # DPO: U (pairs, or groups of k sequences), 0 for SFT
     num_tokens: int                # real tokens computed (a shared prompt counts once)
     num_target_tokens: int         # trained tokens (rows the LM head scores)
     num_padding: int               # 1 for a filler's dummy token, else 0
@@ -119,24 +134,28 @@ class PackedBatch:
         sums = values.new_zeros(self.num_sequences + 1)  # + 1: a filler's slot
         return sums.index_add_(0, self.seq_ids, values)[:self.num_sequences]
 
+    def group_sums(self, values, group_size):
+        """Groups of group_size sequences: values per target -> (U, k) per-sequence sums, row u the batch's unit u."""
+        return self.sequence_sums(values)[:group_size * self.num_pairs].view(self.num_pairs, group_size)
+
     def pair_sums(self, values):
         """DPO: values per target -> (chosen (P,), rejected (P,)) per-sequence sums."""
-        sums = self.sequence_sums(values)[:2 * self.num_pairs].view(self.num_pairs, 2)
-        return sums[:, 0], sums[:, 1]
+        return self.group_sums(values, 2).unbind(1)
 
 
-def make_batch(data, units, dpo=False, prefix=None):
-    """Concatenate the data's units (examples; DPO: pairs) into one PackedBatch. prefix (DPO): shared_prefixes()
-    of the data, so that each pair's shared prompt is computed once; None lays the two sequences out whole."""
+def make_batch(data, units, dpo=False, prefix=None, group_size=2):
+    """Concatenate the data's units (examples; DPO: pairs, or groups of group_size sequences) into one PackedBatch.
+    prefix (DPO): shared_prefixes() of the data, so that each group's shared prompt is computed once; None lays
+    every sequence out whole."""
     ids, offsets, loss_mask = data["ids"], data["offsets"], data["loss_mask"]
     units = np.asarray(units, dtype=np.int64).reshape(-1)
-    # DPO: chosen and rejected adjacent, so sequence 2j / 2j+1 of the batch are pair j's.
-    examples = np.stack([2 * units, 2 * units + 1], 1).reshape(-1) if dpo else units
+    # DPO: a group's sequences adjacent, so sequences j*k .. j*k+k-1 of the batch are group j's (k = 2: a pair).
+    examples = (group_size * units[:, None] + np.arange(group_size)).reshape(-1) if dpo else units
     skip = np.zeros(len(examples), dtype=np.int64)  # leading tokens a sequence takes from the one before it
     if dpo and prefix is not None:
-        skip[1::2] = prefix[units]
+        skip.reshape(-1, group_size)[:, 1:] = prefix[units, None]
     # Per sequence: its tokens, mask, and `rows`, where each of its positions sits in the stream. A shared
-    # rejected sequence appends only its rest; its rows start with the chosen sequence's prompt rows.
+    # later sequence appends only its rest; its rows start with the group's prompt rows.
     stream, positions, q_lens, rows, tokens, masks, T = [], [], [], [], [], [], 0
     for e, p in zip(examples.tolist(), skip.tolist()):
         x, m = ids[offsets[e]:offsets[e + 1]].astype(np.int64), loss_mask[offsets[e]:offsets[e + 1]] != 0

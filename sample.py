@@ -4,7 +4,7 @@ Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder.
 
     python sample.py --model=out/sft/hf --prompt="What is 12+30?"     # one chat turn, greedy
     python sample.py --model=out/sft/hf                                # interactive chat
-    python sample.py --model=out/sft/ckpt.pt --temperature=0.8 --top_k=50 --num_samples=3
+    python sample.py --model=out/sft/ckpt.pt --temperature=0.8 --top_p=0.95 --num_samples=3
 """
 
 import os
@@ -39,16 +39,17 @@ if __name__ == "__main__":
     max_new_tokens = 256
     temperature = 0.0
     top_k = 0
+    top_p = 1.0  # nucleus sampling: 1.0 keeps every token
     num_samples = 1
     seed = 1337
     device = "cuda" if torch.cuda.is_available() else "cpu"
     configure(globals())
     for key, ok in (("max_new_tokens", max_new_tokens >= 1), ("num_samples", num_samples >= 1),
-                    ("temperature", temperature >= 0), ("top_k", top_k >= 0),
+                    ("temperature", temperature >= 0), ("top_k", top_k >= 0), ("top_p", 0 < top_p <= 1),
                     ("device", device == "cpu" or (device.startswith("cuda") and torch.cuda.is_available()))):
         if not ok:
             sys.exit(f"sample.py: {key}={globals()[key]!r} is not usable (max_new_tokens, num_samples >= 1; "
-                     f"temperature, top_k >= 0; device 'cpu', or 'cuda' on a machine with a GPU)")
+                     f"temperature, top_k >= 0; 0 < top_p <= 1; device 'cpu', or 'cuda' on a machine with a GPU)")
     if os.path.isdir(model) and not os.path.exists(os.path.join(model, "config.json")):
         sys.exit(f"sample.py: {model} has no config.json; pass a Hugging Face folder (a run's out_dir/hf) "
                  f"or a run's out_dir/ckpt.pt")
@@ -64,8 +65,8 @@ if __name__ == "__main__":
 
     def reply(messages):
         ids = tok.render_prompt(messages)
-        outs = generate(net, [ids] * num_samples, max_new_tokens, stop_ids=tok.stop_ids,
-                        temperature=temperature, top_k=top_k or None)
+        outs = generate(net, [ids], max_new_tokens, stop_ids=tok.stop_ids, num_samples=num_samples,
+                        temperature=temperature, top_k=top_k or None, top_p=top_p)
         return [tok.decode([t for t in out if t not in tok.stop_ids]) for out in outs]
 
     if prompt:

@@ -15,6 +15,8 @@ the last question; chosen, the right answer in the plain style; rejected, in 3 p
 chatty style, else a plausible wrong answer in the plain style (so moving towards the style does not move away from
 being right). evaluate() answers val prompts greedily: exact-match accuracy (score()) and the preferred-behaviour
 rate (the share of plain replies, preferred()).
+RL (issue 25): rl_prompts() yields the chats cut before their last answer, with the answer reward() checks (1 exact,
+else 0); hard=True draws the same kind of chats with three-digit operands (two-digit times one-digit for *).
 
     python data/arithmetic.py    # print a few examples
 """
@@ -36,6 +38,7 @@ from tokenizer import get_tokenizer  # noqa: E402
 VERSION = "arithmetic-v4"  # part of the cache key: bump it when the generator changes
 MAX_ADD = 30  # + and -: operands 0..MAX_ADD
 MAX_MUL = (9, 9)  # *: a in 2..9, b in 2..9
+HARD_ADD, HARD_MUL = (100, 999), ((10, 99), (2, 9))  # the hard chats' operand ranges
 MAX_FOLLOW_ADD = 9  # follow-ups add or subtract 1..9 from the previous answer
 MAX_FOLLOW_MUL = 30  # ... or double it, if it is at most this
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -55,7 +58,7 @@ def is_val(messages):
     return zlib.crc32(json.dumps(messages).encode()) % 10 == 0  # ~10% of conversations are held out
 
 
-def draw_problem(rng, prev):
+def draw_problem(rng, prev, hard=False):
     """-> (a, op, b, follow_up). The ranges at the top keep the table small enough for the toy model to learn."""
     while True:
         op = rng.choice("+-*")
@@ -63,20 +66,22 @@ def draw_problem(rng, prev):
         if follow_up:
             a, b = prev, (2 if op == "*" else rng.randint(1, MAX_FOLLOW_ADD))
         elif op == "*":
-            a, b = rng.randint(2, MAX_MUL[0]), rng.randint(2, MAX_MUL[1])
+            (a_lo, a_hi), (b_lo, b_hi) = HARD_MUL if hard else ((2, MAX_MUL[0]), (2, MAX_MUL[1]))
+            a, b = rng.randint(a_lo, a_hi), rng.randint(b_lo, b_hi)
         else:
-            a, b = rng.randint(0, MAX_ADD), rng.randint(0, MAX_ADD)
+            lo, hi = HARD_ADD if hard else (0, MAX_ADD)
+            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
         if op == "-" and b > a:  # answers stay >= 0
             a, b = (a, rng.randint(0, a)) if follow_up else (b, a)
         return a, op, b, follow_up
 
 
-def conversation(rng):
+def conversation(rng, hard=False):
     """-> (messages, problems): a chat ending in an assistant answer, and its (a, op, b) per turn."""
     messages = [dict(role="system", content=rng.choice(SYSTEMS))] if rng.random() < 0.3 else []
     problems, prev = [], None
     for _ in range(rng.randint(1, 4)):
-        a, op, b, follow_up = draw_problem(rng, prev)
+        a, op, b, follow_up = draw_problem(rng, prev, hard)
         question = rng.choice(FOLLOW_UPS[op] if follow_up else QUESTIONS)
         prev = OPS[op](a, b)
         messages += [dict(role="user", content=question.format(a=a, op=op, b=b, word=WORDS[op])),
@@ -94,13 +99,13 @@ def preferred(reply):
     return re.fullmatch(r"\s*\d+\s*[-+*]\s*\d+\s*=\s*-?\d+\s*", reply) is not None
 
 
-def conversations(split, n, seed=0):
+def conversations(split, n, seed=0, hard=False):
     """The first n conversations of `split` from one seeded stream (~1 in 10 goes to val)."""
     assert split in ("train", "val")
-    rng = random.Random(f"{VERSION}-{seed}")  # str seeds are hashed stably across runs
+    rng = random.Random(f"{VERSION}-{'hard-' if hard else ''}{seed}")  # str seeds are hashed stably across runs
     made = 0
     while made < n:
-        messages, problems = conversation(rng)
+        messages, problems = conversation(rng, hard)
         if is_val(messages) == (split == "val"):
             made += 1
             yield messages, problems
@@ -131,15 +136,26 @@ def dpo_examples(split, n, seed=0):
         yield dict(prompt=messages[:-1], chosen=answer(a, op, b, right, "plain"), rejected=rejected)
 
 
+def rl_prompts(split, n, seed=0, hard=False):
+    """Yields (prompt messages, answer): the first n conversations of `split`, cut before their last assistant turn."""
+    for messages, (*_, (a, op, b)) in conversations(split, n, seed, hard):
+        yield messages[:-1], OPS[op](a, b)
+
+
 def val_problems(n=200, seed=0):
     """-> [(prompt messages, answer)]: the first n val conversations, cut before their last answer."""
-    return [(messages[:-1], OPS[op](a, b)) for messages, (*_, (a, op, b)) in conversations("val", n, seed)]
+    return list(rl_prompts("val", n, seed))
 
 
 def score(answer, reply):
     """Exact match: the first number after the reply's last '=' (or in the reply, if none) is the answer."""
     numbers = re.findall(r"-?\d+", reply.rsplit("=", 1)[-1])
     return bool(numbers) and int(numbers[0]) == answer
+
+
+def reward(answer, reply):
+    """RL: 1.0 if the reply's answer is exactly `answer` (score()), else 0.0."""
+    return float(score(answer, reply))
 
 
 @torch.no_grad()
@@ -183,3 +199,4 @@ if __name__ == "__main__":
     for record in dpo_examples("train", 2):
         print(json.dumps(record))
     print(val_problems(2))
+    print(next(rl_prompts("train", 1, hard=True)))

@@ -281,6 +281,30 @@ def test_arithmetic_dpo_and_score():
     assert score(-3, "2-5 = -3")
 
 
+def test_arithmetic_rl_prompts_hard_split_and_reward():
+    """RL prompts are the chats cut before their last answer (val: val_problems'); the hard chats are the same kind
+    with three-digit operands (two-digit times one-digit), deterministic, train and held-out disjoint."""
+    assert list(arithmetic.rl_prompts("val", 50)) == arithmetic.val_problems(50)
+    for hard in (False, True):
+        for split in ("train", "val"):
+            chats = list(arithmetic.conversations(split, 300, hard=hard))
+            for (prompt, answer), (messages, (*_, (a, op, b))) in zip(arithmetic.rl_prompts(split, 300, hard=hard),
+                                                                      chats):
+                assert prompt == messages[:-1] and prompt[-1]["role"] == "user" and answer >= 0
+                assert arithmetic.reward(answer, messages[-1]["content"]) == 1.0  # either style: the right answer
+                assert arithmetic.reward(answer, f"{a}{op}{b} = {answer + 1}") == 0.0
+    hard = list(arithmetic.conversations("train", 2000, hard=True))
+    assert hard == list(arithmetic.conversations("train", 2000, hard=True))
+    first = [problems[0] for _, problems in hard]  # a chat's first problem is never a follow-up
+    assert all(100 <= a <= 999 and 100 <= b <= 999 for a, op, b in first if op in "+-")
+    assert all(10 <= a <= 99 and 2 <= b <= 9 for a, op, b in first if op == "*")
+    train_texts = {json.dumps(m) for m, _ in hard}
+    assert not {json.dumps(m) for m, _ in arithmetic.conversations("val", 300, hard=True)} & train_texts
+    reward = arithmetic.reward
+    assert reward(579, "123+456 = 579") == reward(579, "Sure! 123+456 = 579") == 1.0
+    assert reward(579, "123+456 = 578") == reward(579, "") == reward(579, "123+456 = 5790") == 0.0
+
+
 def test_prepare_builtin_writes_once(tmp_path):
     out = str(tmp_path / "arith")
     meta = arithmetic.prepare_builtin(out, TOK, "dpo", n_train=300, n_val=50, verbose=False)
