@@ -7,34 +7,25 @@ Chat records, JSONL or Parquet as downloaded from the Hugging Face hub -> the to
     python data/prepare.py --input ultrafeedback_binarized/data --data_split train_prefs \
         --val_input 'ultrafeedback_binarized/data/test_prefs-*.parquet' --out_dir data/uf --tokenizer byte
 
---input (and --val_input) is a .jsonl file (a record a line), a .parquet file (a record a row; read row group
-by row group with pyarrow: pip install pyarrow), a folder of .parquet/.jsonl shards or a quoted glob; files are
-read in name order. A folder's files form splits by name: train_prefs-00000-of-00001.parquet is in split
-train_prefs; a folder holding several splits needs --data_split.
+--input (and --val_input): a .jsonl file (a record a line), a .parquet file (a record a row, read row group by row
+group: pip install pyarrow), a folder of .parquet/.jsonl shards or a quoted glob, in name order. A folder's files form
+splits by name (train_prefs-00000-of-00001.parquet: split train_prefs); several splits need --data_split.
 
-Accepted records (the first one decides SFT or DPO; one kind per input; other fields, e.g. id, are ignored):
+Records (the first decides SFT or DPO, one kind per input; other fields, e.g. id, ignored):
   SFT  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}  (e.g. Tulu 3 SFT mixture)
-  DPO  {"chosen": [messages], "rejected": [messages]}
-       the prompt is their longest common prefix; what follows it must be assistant turns
-  DPO  {"prompt": str | [messages], "chosen": str | [assistant messages], "rejected": the same}
-       if chosen/rejected hold whole conversations (non-assistant turns), the prompt field is
-       ignored and inferred as above (the Hugging Face "ultrafeedback_binarized" layout, whose
-       "messages" column repeats the chosen conversation; a "messages" that differs from it is an error)
-  DPO  {"chosen": "\n\nHuman: ...\n\nAssistant: ...", "rejected": the same}  (Anthropic HH-RLHF, no prompt)
-       each transcript is split at its Human/Assistant markers into turns, then read as conversations above
+  DPO  {"chosen": [messages], "rejected": [messages]}: the prompt is their longest common prefix, then assistant turns
+  DPO  {"prompt": str | [messages], "chosen": str | [assistant messages], "rejected": the same}; whole conversations
+       in chosen/rejected are read as above (ultrafeedback_binarized, whose "messages" must equal "chosen")
+  DPO  {"chosen": "\n\nHuman: ...\n\nAssistant: ...", "rejected": ...}  (Anthropic HH-RLHF): split into turns, as above
 
 Output in out_dir, per split (train, val): <split>_ids.npy (uint16 if the vocab fits, else uint32),
-<split>_offsets.npy (int64, example i = ids[offsets[i]:offsets[i+1]]), <split>_mask.npy (uint8, 1 on
-trained tokens), and meta.json. A DPO pair i is examples 2i (chosen) and 2i+1 (rejected); load() reads them back.
-Each record goes to val with probability val_fraction, drawn from random.Random(seed) record by record;
-with --val_input, val is that input instead and val_fraction is not used.
+<split>_offsets.npy (int64, example i = ids[offsets[i]:offsets[i+1]]), <split>_mask.npy (uint8, 1 on trained
+tokens), and meta.json. A DPO pair i is examples 2i (chosen) and 2i+1 (rejected); load() reads them back. A record
+goes to val with probability val_fraction (random.Random(seed), record by record), or val is --val_input.
 
-Sequences longer than --max_len tokens are handled by --overlong:
-  error     (default) stop, naming the line
-  truncate  keep the first max_len tokens of each sequence. A DPO pair is cut per sequence (the
-            shared prompt stays identical on both sides), and is skipped instead if that leaves
-            either side without response tokens or makes both sides equal: nothing left to compare
-  skip      drop the example (a DPO pair as a whole)
+Sequences longer than --max_len tokens follow --overlong: error (default: stop, naming the line); truncate (keep the
+first max_len tokens of each sequence; a DPO pair left without response tokens on a side, or with equal sides, is
+skipped); skip (drop the example, a DPO pair as a whole).
 """
 import argparse
 import glob
