@@ -15,8 +15,9 @@ the last question; chosen, the right answer in the plain style; rejected, in 3 p
 chatty style, else a plausible wrong answer in the plain style (so moving towards the style does not move away from
 being right). evaluate() answers val prompts greedily: exact-match accuracy (score()) and the preferred-behaviour
 rate (the share of plain replies, preferred()).
-RL (issue 25): rl_prompts() yields the chats cut before their last answer, with the answer reward() checks (1 exact,
-else 0); hard=True draws the same kind of chats with three-digit operands (two-digit times one-digit for *).
+RL: rl_prompts() yields the chats cut before their last answer, with the answer reward() checks (1 exact, else 0);
+hard=True keeps the chats whose last question adds to or subtracts from the previous answer (two operations in a
+row, where the SFT model is ~60% right against ~83% overall).
 
     python data/arithmetic.py    # print a few examples
 """
@@ -38,7 +39,6 @@ from tokenizer import get_tokenizer  # noqa: E402
 VERSION = "arithmetic-v4"  # part of the cache key: bump it when the generator changes
 MAX_ADD = 30  # + and -: operands 0..MAX_ADD
 MAX_MUL = (9, 9)  # *: a in 2..9, b in 2..9
-HARD_ADD, HARD_MUL = (100, 999), ((10, 99), (2, 9))  # the hard chats' operand ranges
 MAX_FOLLOW_ADD = 9  # follow-ups add or subtract 1..9 from the previous answer
 MAX_FOLLOW_MUL = 30  # ... or double it, if it is at most this
 OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
@@ -58,7 +58,7 @@ def is_val(messages):
     return zlib.crc32(json.dumps(messages).encode()) % 10 == 0  # ~10% of conversations are held out
 
 
-def draw_problem(rng, prev, hard=False):
+def draw_problem(rng, prev):
     """-> (a, op, b, follow_up). The ranges at the top keep the table small enough for the toy model to learn."""
     while True:
         op = rng.choice("+-*")
@@ -66,27 +66,25 @@ def draw_problem(rng, prev, hard=False):
         if follow_up:
             a, b = prev, (2 if op == "*" else rng.randint(1, MAX_FOLLOW_ADD))
         elif op == "*":
-            (a_lo, a_hi), (b_lo, b_hi) = HARD_MUL if hard else ((2, MAX_MUL[0]), (2, MAX_MUL[1]))
-            a, b = rng.randint(a_lo, a_hi), rng.randint(b_lo, b_hi)
+            a, b = rng.randint(2, MAX_MUL[0]), rng.randint(2, MAX_MUL[1])
         else:
-            lo, hi = HARD_ADD if hard else (0, MAX_ADD)
-            a, b = rng.randint(lo, hi), rng.randint(lo, hi)
+            a, b = rng.randint(0, MAX_ADD), rng.randint(0, MAX_ADD)
         if op == "-" and b > a:  # answers stay >= 0
             a, b = (a, rng.randint(0, a)) if follow_up else (b, a)
         return a, op, b, follow_up
 
 
-def conversation(rng, hard=False):
-    """-> (messages, problems): a chat ending in an assistant answer, and its (a, op, b) per turn."""
+def conversation(rng):
+    """-> (messages, problems): a chat ending in an assistant answer, and its (a, op, b, follow_up) per turn."""
     messages = [dict(role="system", content=rng.choice(SYSTEMS))] if rng.random() < 0.3 else []
     problems, prev = [], None
     for _ in range(rng.randint(1, 4)):
-        a, op, b, follow_up = draw_problem(rng, prev, hard)
+        a, op, b, follow_up = draw_problem(rng, prev)
         question = rng.choice(FOLLOW_UPS[op] if follow_up else QUESTIONS)
         prev = OPS[op](a, b)
         messages += [dict(role="user", content=question.format(a=a, op=op, b=b, word=WORDS[op])),
                      dict(role="assistant", content=answer(a, op, b, prev, rng.choice(STYLES)))]
-        problems.append((a, op, b))
+        problems.append((a, op, b, follow_up))
     return messages, problems
 
 
@@ -100,13 +98,14 @@ def preferred(reply):
 
 
 def conversations(split, n, seed=0, hard=False):
-    """The first n conversations of `split` from one seeded stream (~1 in 10 goes to val)."""
+    """The first n conversations of `split` from one seeded stream (~1 in 10 goes to val); hard: those whose last
+    question is a follow-up + or -."""
     assert split in ("train", "val")
-    rng = random.Random(f"{VERSION}-{'hard-' if hard else ''}{seed}")  # str seeds are hashed stably across runs
+    rng = random.Random(f"{VERSION}-{seed}")  # str seeds are hashed stably across runs
     made = 0
     while made < n:
-        messages, problems = conversation(rng, hard)
-        if is_val(messages) == (split == "val"):
+        messages, problems = conversation(rng)
+        if is_val(messages) == (split == "val") and (not hard or problems[-1][3] and problems[-1][1] != "*"):
             made += 1
             yield messages, problems
 
@@ -129,7 +128,7 @@ def sft_examples(split, n, seed=0):
 def dpo_examples(split, n, seed=0):
     rng = random.Random(f"{VERSION}-{split}-{seed}-rejected")
     for messages, problems in conversations(split, n, seed):
-        a, op, b = problems[-1]
+        a, op, b, _ = problems[-1]
         right = OPS[op](a, b)
         rejected = (answer(a, op, b, right, "chatty") if rng.random() < 0.75 else
                     answer(a, op, b, wrong_answer(rng, a, op, b), "plain"))
@@ -138,13 +137,13 @@ def dpo_examples(split, n, seed=0):
 
 def rl_prompts(split, n, seed=0, hard=False):
     """Yields (prompt messages, answer): the first n conversations of `split`, cut before their last assistant turn."""
-    for messages, (*_, (a, op, b)) in conversations(split, n, seed, hard):
+    for messages, (*_, (a, op, b, _)) in conversations(split, n, seed, hard):
         yield messages[:-1], OPS[op](a, b)
 
 
-def val_problems(n=200, seed=0):
+def val_problems(n=200, seed=0, hard=False):
     """-> [(prompt messages, answer)]: the first n val conversations, cut before their last answer."""
-    return list(rl_prompts("val", n, seed))
+    return list(rl_prompts("val", n, seed, hard))
 
 
 def score(answer, reply):
@@ -153,8 +152,8 @@ def score(answer, reply):
     return bool(numbers) and int(numbers[0]) == answer
 
 
-def reward(answer, reply):
-    """RL: 1.0 if the reply's answer is exactly `answer` (score()), else 0.0."""
+def reward(prompt, reply, answer):
+    """RL (train_rl.py's default reward): 1.0 if the reply's answer is exactly `answer` (score()), else 0.0."""
     return float(score(answer, reply))
 
 

@@ -254,7 +254,7 @@ def test_arithmetic_is_deterministic_and_split_disjoint():
     for messages, problems in train[:200]:
         replies = [m["content"] for m in messages if m["role"] == "assistant"]
         assert [r.removeprefix("Sure! ") for r in replies] == [f"{a}{op}{b} = {arithmetic.OPS[op](a, b)}"
-                                                               for a, op, b in problems]
+                                                               for a, op, b, _ in problems]
         plain += sum(map(arithmetic.preferred, replies))
     # both answer styles, mixed turn by turn: what SFT leaves to DPO
     assert 0.4 < plain / sum(len(m) // 2 for m, _ in train[:200]) < 0.6
@@ -282,27 +282,27 @@ def test_arithmetic_dpo_and_score():
 
 
 def test_arithmetic_rl_prompts_hard_split_and_reward():
-    """RL prompts are the chats cut before their last answer (val: val_problems'); the hard chats are the same kind
-    with three-digit operands (two-digit times one-digit), deterministic, train and held-out disjoint."""
+    """RL prompts are the chats cut before their last answer (val: val_problems'); the hard chats are those whose last
+    question is a + or - follow-up on the previous answer, taken from the same stream; train and held-out disjoint."""
     assert list(arithmetic.rl_prompts("val", 50)) == arithmetic.val_problems(50)
     for hard in (False, True):
         for split in ("train", "val"):
             chats = list(arithmetic.conversations(split, 300, hard=hard))
-            for (prompt, answer), (messages, (*_, (a, op, b))) in zip(arithmetic.rl_prompts(split, 300, hard=hard),
-                                                                      chats):
+            for (prompt, answer), (messages, (*_, (a, op, b, _))) in zip(
+                    arithmetic.rl_prompts(split, 300, hard=hard), chats):
                 assert prompt == messages[:-1] and prompt[-1]["role"] == "user" and answer >= 0
-                assert arithmetic.reward(answer, messages[-1]["content"]) == 1.0  # either style: the right answer
-                assert arithmetic.reward(answer, f"{a}{op}{b} = {answer + 1}") == 0.0
-    hard = list(arithmetic.conversations("train", 2000, hard=True))
-    assert hard == list(arithmetic.conversations("train", 2000, hard=True))
-    first = [problems[0] for _, problems in hard]  # a chat's first problem is never a follow-up
-    assert all(100 <= a <= 999 and 100 <= b <= 999 for a, op, b in first if op in "+-")
-    assert all(10 <= a <= 99 and 2 <= b <= 9 for a, op, b in first if op == "*")
+                assert arithmetic.reward(prompt, messages[-1]["content"], answer) == 1.0  # either style
+                assert arithmetic.reward(prompt, f"{a}{op}{b} = {answer + 1}", answer) == 0.0
+    easy = list(arithmetic.conversations("train", 3000))
+    hard = list(arithmetic.conversations("train", 300, hard=True))
+    wanted = [c for c in easy if c[1][-1][3] and c[1][-1][1] in "+-"]  # the easy stream's follow-up +/- chats
+    assert 0.1 < len(wanted) / len(easy) < 0.3 and hard == wanted[:300]
+    assert any(len(p) == 1 for _, p in easy) and all(len(p) >= 2 for _, p in hard)
     train_texts = {json.dumps(m) for m, _ in hard}
     assert not {json.dumps(m) for m, _ in arithmetic.conversations("val", 300, hard=True)} & train_texts
     reward = arithmetic.reward
-    assert reward(579, "123+456 = 579") == reward(579, "Sure! 123+456 = 579") == 1.0
-    assert reward(579, "123+456 = 578") == reward(579, "") == reward(579, "123+456 = 5790") == 0.0
+    assert reward([], "40+17 = 57", 57) == reward([], "Sure! 40+17 = 57", 57) == 1.0
+    assert reward([], "40+17 = 56", 57) == reward([], "", 57) == reward([], "40+17 = 570", 57) == 0.0
 
 
 def test_prepare_builtin_writes_once(tmp_path):
