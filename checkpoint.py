@@ -55,7 +55,7 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
         tmp = run.ckpt_path + ".tmp"
         torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
                         iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
-                        data_dir=portable(run.data_dir, run.out_dir), start=run.start, extra=extra,
+                        data_dir=run.data_dir and portable(run.data_dir, run.out_dir), start=run.start, extra=extra,
                         base=base_fingerprint(run.start["init_from"])), tmp)
         os.replace(tmp, run.ckpt_path)
         for old in os.listdir(run.out_dir):  # earlier checkpoints, and any a kill left half written

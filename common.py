@@ -112,7 +112,8 @@ class StopSignal:
 
 def setup(config, kind, builtin_sizes=None):
     """Ranks and device, precision, tokenizer, data, model (scratch preset, Hugging Face folder or resumed),
-    optimizer, packed loader, and the checkpoint's state restored when init_from='resume'. kind: 'sft' or 'dpo'."""
+    optimizer, packed loader, and the checkpoint's state restored when init_from='resume'. kind: 'sft', 'dpo' or 'rl'
+    (no token files and no loader: train_rl.py reads its prompts and makes its batches itself)."""
     c = config
     rank, world_size, device = setup_distributed(c["device"], c["dist_timeout"])
     torch.manual_seed(c["seed"])
@@ -121,13 +122,13 @@ def setup(config, kind, builtin_sizes=None):
     ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
     ckpt = load_checkpoint(ckpt_path) if resume else None
     if c["overwrite"] and not resume and rank == 0:  # start over: nothing of the previous run may pass for ours
-        for old in [ckpt_path, os.path.join(c["out_dir"], "hf")] + [
+        for old in [ckpt_path, os.path.join(c["out_dir"], "hf"), os.path.join(c["out_dir"], "adapter")] + [
                 os.path.join(c["out_dir"], f) for f in os.listdir(c["out_dir"]) if f.startswith("ckpt-")]:
             shutil.rmtree(old) if os.path.isdir(old) else os.path.exists(old) and os.remove(old)
 
     if resume:  # a resumed run continues with the data, tokenizer and initial weights of the run it continues
         tok, start = choose_tokenizer(ckpt["tokenizer"], "resume"), ckpt["start"]
-        data_dir = os.path.join(c["out_dir"], ckpt["data_dir"])  # relative: the run folder's own data
+        data_dir = ckpt["data_dir"] and os.path.join(c["out_dir"], ckpt["data_dir"])  # relative: the run's data
         model_config = ModelConfig(**ckpt["model_config"])
         if c["lora_rank"] and ckpt.get("base") != base_fingerprint(start["init_from"]):
             raise SystemExit(f"{start['init_from']} is not the base model this LoRA run started from (its files "
@@ -136,11 +137,13 @@ def setup(config, kind, builtin_sizes=None):
         start = dict(init_from=c["init_from"], preset=c["preset"])
         tok = choose_tokenizer(c["tokenizer"], c["init_from"])
         model_config = initial_config(start, tok)
-        data_dir = prepare_data(c["data"], c["out_dir"], tok, kind, c["max_len"], model_config.max_seq_len,
-                                c["overlong"], c["seed"], c["val_fraction"], c["data_split"], c["val_data"],
-                                **(builtin_sizes or {}))
-    train_data, val_data = load_data(data_dir, tok, kind)
-    check_fits(model_config, tok, data_dir, train_data, val_data, c["microbatch_tokens"], kind)
+        data_dir = None if kind == "rl" else prepare_data(
+            c["data"], c["out_dir"], tok, kind, c["max_len"], model_config.max_seq_len, c["overlong"], c["seed"],
+            c["val_fraction"], c["data_split"], c["val_data"], **(builtin_sizes or {}))
+    train_data = val_data = loader = None
+    if kind != "rl":
+        train_data, val_data = load_data(data_dir, tok, kind)
+        check_fits(model_config, tok, data_dir, train_data, val_data, c["microbatch_tokens"], kind)
     compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
     if c["compile"] == "auto" and not compiled:
         print0("compile='auto': off on CPU, where compiling costs seconds at every start for a gain within noise "
@@ -151,24 +154,27 @@ def setup(config, kind, builtin_sizes=None):
                                    compiled, c["activation_checkpointing"], from_checkpoint=resume, adapters=adapters)
     optimizer = make_optimizer(model, c["learning_rate"], c["weight_decay"], device_type=device.type)
 
-    loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
-                          seed=c["seed"], dpo=kind == "dpo", prefix_sharing=c.get("prefix_sharing", False))
+    if kind != "rl":
+        loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
+                              seed=c["seed"], dpo=kind == "dpo", prefix_sharing=c.get("prefix_sharing", False))
+        units = f"{len(loader.lengths)} train {'pairs' if kind == 'dpo' else 'examples'}"
+        if c["batch_size"] > len(loader.lengths):
+            print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))
     start_iter, saved = 0, {}
     if resume:
         restore_checkpoint(ckpt, c["out_dir"], model, optimizer)
-        loader.load_state_dict(ckpt["loader"])
+        if loader:
+            loader.load_state_dict(ckpt["loader"])
         start_iter, saved = ckpt["iter_num"], ckpt["extra"]
-    units = f"{len(loader.lengths)} train {'pairs' if kind == 'dpo' else 'examples'}"
-    if c["batch_size"] > len(loader.lengths):
-        print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
     if start_iter >= max_iters:
         print0(f"note: the run is already at iter {start_iter}, max_iters={max_iters}: nothing to train "
                f"(raise max_iters)")
     trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad) if adapters else 0
     lora_note = f" (LoRA r={adapters['rank']}: {trained / 1e6:.2f}M train)" if adapters else ""
-    print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters{lora_note} | data: {data_dir}, {units}, "
-           f"{len(loader)} steps/epoch | world size {world_size} ({c['parallel']}) | device {device}, {dtype}, "
+    data_note = f" | data: {data_dir}, {units}, {len(loader)} steps/epoch" if loader else ""
+    print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters{lora_note}{data_note} | world size {world_size} "
+           f"({c['parallel']}) | device {device}, {dtype}, "
            f"attention {attention_backend(device, ptdtype)} | {max_iters} iterations")
     return Run(rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,

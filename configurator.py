@@ -107,17 +107,20 @@ def check_config(c, kind, choices):
             bad(key, f"choose one of {', '.join(allowed)}{why}")
     at_least = dict(lora_rank=0, batch_size=1, microbatch_tokens=1, log_interval=1, max_len=1, max_bad_steps=1,
                     dist_timeout=1, max_iters=0, eval_interval=0, eval_examples=0, warmup_iters=0, weight_decay=0.0,
-                    grad_clip=0.0, min_lr=0.0, label_smoothing=0.0, sft_weight=0.0)
+                    grad_clip=0.0, min_lr=0.0, label_smoothing=0.0, sft_weight=0.0, k=2, prompts_per_step=1,
+                    max_new_tokens=1, updates_per_batch=1, kl_coef=0.0)
     for key, low in at_least.items():
         if key in c and c[key] < low:
             bad(key, f"it must be at least {low}")
-    for key in ("learning_rate", "epochs", "beta"):
+    for key in ("learning_rate", "epochs", "beta", "temperature", "clip_eps"):
         if key in c and not 0 < c[key] < math.inf:
             bad(key, "it must be a finite number greater than 0")
     if c["min_lr"] > c["learning_rate"]:
         bad("min_lr", f"it must not exceed learning_rate={c['learning_rate']} (the schedule decays to it)")
+    if kind == "rl" and (c["max_iters"] < 1 or not 0 < c["top_p"] <= 1):
+        bad(*("max_iters", "it must be at least 1") if c["max_iters"] < 1 else ("top_p", "it must be in (0, 1]"))
     for key, high in (("seed", 2**32), ("val_fraction", 1.0), ("lora_dropout", 1.0)):
-        if not 0 <= c[key] < high:
+        if key in c and not 0 <= c[key] < high:
             bad(key, f"it must be in [0, {'2**32' if key == 'seed' else 1})")
     if kind == "dpo" and (c["label_smoothing"] >= 0.5 or (c["label_smoothing"] and c["loss_type"] in ("ipo", "hinge"))):
         bad("label_smoothing", "it must be below 0.5, and 0 for ipo and hinge")
@@ -127,13 +130,15 @@ def check_config(c, kind, choices):
     if c["init_from"] == "scratch" and c["preset"] not in PRESETS:
         bad("preset", f"choose one of {', '.join(PRESETS)}")
     if c["init_from"] not in ("scratch", "resume") and not os.path.isfile(os.path.join(c["init_from"], "config.json")):
-        hint = "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`" * (kind == "dpo")
+        hint = {"dpo": "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`",
+                "rl": "; RL starts from a fine-tuned model: make the default one with `python train_sft.py && "
+                      "python train_dpo.py`"}.get(kind, "")
         bad("init_from", f"it is neither 'scratch', 'resume' nor a Hugging Face model folder (with a config.json)"
                          f"{hint}")
     if c["tokenizer"] not in ("", "byte") and not Tokenizer.has_files(c["tokenizer"]):
         bad("tokenizer", "use 'byte' or a folder with tokenizer.json or tokenizer.model")
     records = c["data"] != "builtin" and not os.path.isfile(os.path.join(c["data"], "meta.json"))
-    if records and c["init_from"] != "resume":  # a resumed run reads its own token files, even if the records moved
+    if records and kind != "rl" and c["init_from"] != "resume":  # rl: train_rl.py reads its prompts itself
         try:  # records (JSONL, Parquet, a folder of shards, a glob): the first one says SFT or DPO, nothing tokenized
             found, where = peek_kind(c["data"], c["data_split"])
             c["val_data"] and data_files(c["val_data"])
@@ -143,7 +148,7 @@ def check_config(c, kind, choices):
             need = "chosen/rejected pairs" if kind == "dpo" else "messages"
             raise SystemExit(f"data error: {where} is {found.upper()} data but train_{kind}.py trains {kind.upper()} "
                              f"({need}); use train_{found}.py for it")
-    elif not records and (c["data_split"] or c["val_data"]):
+    elif not records and kind != "rl" and (c["data_split"] or c["val_data"]):
         bad("data_split" if c["data_split"] else "val_data", "it picks raw records; this data is 'builtin' or "
             "already prepared")
     try:  # can we write where the run will live? Better now than after an hour of training

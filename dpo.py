@@ -1,7 +1,8 @@
 """
-The DPO side of train_dpo.py: the loss family, per-pair statistics, response lengths, the per-pair log-prob
-sums of a whole split, and the reference model's log-probs (computed once and cached on disk, or a live
-frozen copy). Pure functions of tensors where possible, so each is tested on its own (tests/test_dpo_loss.py).
+The losses on log-probs of train_dpo.py and train_rl.py: the DPO family and GRPO's, per-pair statistics, response
+lengths, the per-pair log-prob sums of a whole split, and the reference model's log-probs (computed once and cached on
+disk, a live frozen copy, or the policy with its adapters off). Pure functions of tensors where possible, so each is
+tested on its own (tests/test_dpo_loss.py).
 
 A pair p is sequences 2p (chosen) and 2p+1 (rejected) of the data; a packed micro-batch holds whole pairs, and
 mb.pair_sums(per-position values) gives (chosen (P,), rejected (P,)) with one index_add_ over sequence ids.
@@ -48,6 +49,25 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, len_chose
     return losses, beta * (pc - rc).detach(), beta * (pr - rr).detach()
 
 
+def group_advantages(rewards):
+    """(G, k) rewards of k replies per prompt -> GRPO's advantages: each reward less its group's mean, over the group's
+    standard deviation (0 where all k are equal: such a group teaches nothing)."""
+    centred = rewards - rewards.mean(1, keepdim=True)
+    return centred / rewards.std(1, keepdim=True).clamp(min=1e-6)
+
+
+def policy_loss(logps, old_logps, advantages, clip_eps, ref_logps=None, kl_coef=0.0):
+    """Per-token losses (K,) of GRPO: PPO's clipped objective with each token's reply advantage, ratios to the policy
+    that sampled (old_logps; logps.detach() on a batch's first update, where the ratio is 1 and only its gradient
+    counts), plus kl_coef times the k3 estimate of KL(policy || reference) per token."""
+    ratio = torch.exp(logps - old_logps)
+    losses = -torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    if kl_coef:
+        log_ratio = ref_logps - logps
+        losses = losses + kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
+    return losses
+
+
 STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "logps_chosen", "logps_rejected")
 
 
@@ -80,7 +100,7 @@ def split_logps(model, split_data, budget, device, autocast, prefix=None, group_
     model.eval()
     lengths = np.diff(np.asarray(split_data["offsets"])).reshape(-1, group_size).sum(1)  # (U,) tokens per group
     if prefix is not None:
-        lengths = lengths - prefix
+        lengths = lengths - (group_size - 1) * prefix  # each group's prompt computed once
     bins = pack(lengths, budget) if len(lengths) else []
     sums = torch.zeros(len(lengths), group_size, device=device)
     for i in range(-(-len(bins) // world_size)):
@@ -110,8 +130,23 @@ class Reference:
         if self.model is None:
             ref = self.train[mb.units]
             return ref[:, 0], ref[:, 1]
+        return mb.pair_sums(self.logps(mb))
+
+    def logps(self, mb):
+        """The reference model's log-prob of each trained token of a micro-batch (K,) (not with cached tables)."""
         with torch.no_grad(), self.autocast, self.switch():
-            return mb.pair_sums(self.model(**mb.inputs(), logprobs=True))
+            return self.model(**mb.inputs(), logprobs=True)
+
+
+def model_reference(mode, run, seed, parallel):
+    """A Reference computed on each micro-batch: 'live', a frozen copy of the initial weights (under FSDP2 sharded
+    like the policy, so both compute in the same precision), or 'adapters_off', the policy without its adapters."""
+    if mode == "adapters_off":
+        return Reference(model=run.model, autocast=run.autocast, switch=lambda: adapters_disabled(run.raw_model))
+    parallel = "fsdp" if parallel == "fsdp" else None  # no gradients: nothing for DDP to do
+    ref_model, _ = build_model(run.raw_model.config, run.start, seed, run.device, parallel, run.world_size,
+                               getattr(torch, run.dtype))
+    return Reference(model=ref_model.requires_grad_(False).eval(), autocast=run.autocast)
 
 
 def reference(mode, run, config, key, val_prefix=None):
@@ -125,17 +160,11 @@ def reference(mode, run, config, key, val_prefix=None):
     n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
     if mode == "none":
         return Reference(torch.zeros(n_train, 2, device=device), torch.zeros(n_val, 2, device=device))
-    if mode == "live":  # under FSDP2 sharded like the policy, so both compute in the same precision
-        parallel = "fsdp" if c["parallel"] == "fsdp" else None  # no gradients: nothing for DDP to do
-        ref_model, _ = build_model(run.raw_model.config, run.start, c["seed"], device, parallel, run.world_size,
-                                   getattr(torch, run.dtype))
-        ref_model.requires_grad_(False).eval()
-        return Reference(val=val_logps(ref_model), model=ref_model, autocast=run.autocast)
-    if mode == "adapters_off":
-        switch = lambda: adapters_disabled(run.raw_model)
-        with switch():
-            val = val_logps(run.model)
-        return Reference(val=val, model=run.model, autocast=run.autocast, switch=switch)
+    if mode in ("live", "adapters_off"):
+        ref = model_reference(mode, run, c["seed"], c["parallel"])
+        with ref.switch():
+            ref.val = val_logps(ref.model)
+        return ref
 
     folder = os.path.join(c["out_dir"], "reference")
     paths = {split: os.path.join(folder, f"{key}_{split}.npy") for split in ("train", "val")}

@@ -6,7 +6,8 @@ Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line pe
 
 Panels: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in task: greedy replies in
 the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected responses (if logps_chosen
-falls with logps_rejected, the policy is displacing likelihood, not preferring). Each run's steps follow the last's.
+falls with logps_rejected, the policy is displacing likelihood, not preferring); for RL runs the mean reward of each
+step's sampled replies. Each run's steps follow the last's.
 """
 
 import json
@@ -19,6 +20,7 @@ PANELS = [  # (title, [(metrics key, label suffix)])
     ("preferred behaviour (plain style)", [("val_preferred", "")]),
     ("DPO reward margin (chosen - rejected)", [("reward_margin", "")]),
     ("DPO log-probs of the responses", [("logps_chosen", " chosen"), ("logps_rejected", " rejected")]),
+    ("RL: mean reward of the sampled replies", [("reward_mean", "")]),
 ]
 
 

@@ -122,11 +122,11 @@ def test_split_logps_packs_whole_groups(k):
     each sequence alone."""
     torch.manual_seed(0)
     net = M.Transformer(M.config_from_preset("tiny", vocab_size=VOCAB))
-    prompts, replies, _ = make_groups("replies longer than prompt", k, seed=1)
+    prompts, replies, _ = make_groups("prompt longer than replies", k, seed=1)
     data = group_data(prompts * 2, replies * 2)  # 6 groups
     prefix = shared_prefixes(data, k)
-    lengths = np.diff(data["offsets"]).reshape(-1, k).sum(1) - prefix
-    budget = int(lengths.max())
+    lengths = np.diff(data["offsets"]).reshape(-1, k).sum(1) - (k - 1) * prefix  # each prompt once
+    budget = int(lengths.max())  # tight: a group counted with its prompt more than once would not fit
     assert len(pack(lengths, budget)) > 1
     got = split_logps(net, data, budget, torch.device("cpu"), nullcontext(), prefix, group_size=k)
     with torch.no_grad():

@@ -1,0 +1,17 @@
+"""Reward functions for tests/test_train_rl.py, named as users name theirs: --reward=tests.rl_rewards:<function>."""
+
+
+def distinct_characters(prompt, reply, **fields):
+    return float(len(set(reply)))
+
+
+def contains_target(prompt, reply, target):
+    return float(target in reply)
+
+
+def raises(prompt, reply, **fields):
+    return 1 / 0
+
+
+def nan(prompt, reply, **fields):
+    return float("nan")
