@@ -4,7 +4,7 @@ Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line pe
     python plot.py out/sft out/dpo                 # writes runs.png
     python plot.py out/dpo --out=dpo.png
 
-Panels: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in task: greedy replies in
+Panels (those some run logged): training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in task: greedy replies in
 the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected responses (if logps_chosen
 falls with logps_rejected, the policy is displacing likelihood, not preferring); for RL runs the mean reward of each
 step's sampled replies. Each run's steps follow the last's.
@@ -43,12 +43,15 @@ def main(argv):
         import matplotlib.pyplot as plt
     except ImportError:
         sys.exit("plot.py needs matplotlib, an optional dependency: pip install matplotlib")
-    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.4))
+    runs = {run_dir: read(run_dir) for run_dir in runs}
+    panels = [p for p in PANELS if any(m.get(key) is not None for rows in runs.values() for m in rows
+                                       for key, _ in p[1])]  # only what some run logged
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+    axes = axes[0]
     offset = 0  # each run continues where the previous one ended
-    for run_dir in runs:
-        rows = read(run_dir)
+    for run_dir, rows in runs.items():
         name = os.path.basename(os.path.normpath(run_dir))
-        for ax, (title, series) in zip(axes, PANELS):
+        for ax, (title, series) in zip(axes, panels):
             for key, suffix in series:
                 points = [(offset + m["iter"], m[key]) for m in rows if m.get(key) is not None]
                 if points:
@@ -58,7 +61,7 @@ def main(argv):
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("optimizer step")
         offset += max((m["iter"] for m in rows), default=0)
-    for ax, (title, _) in zip(axes, PANELS):
+    for ax, (title, _) in zip(axes, panels):
         if "accuracy" in title or "preferred" in title:
             ax.set_ylim(0, 100)
             ax.set_ylabel("%")

@@ -3,7 +3,7 @@ On-policy RL from the model's own replies, read top to bottom like train_sft.py 
 prompts, loop (sample -> reward -> loss -> step), log, save.
 
     python train_sft.py && python train_dpo.py && python train_rl.py   # built-in: the hard split (CPU ok)
-    python train_rl.py --init_from=~/models/Qwen2.5-0.5B-Instruct --data=prompts.jsonl --reward=my_rewards:exact
+    python train_rl.py --init_from=/models/Qwen2.5-0.5B-Instruct --data=prompts.jsonl --reward=my_rewards:exact
     torchrun --nproc_per_node=8 train_rl.py --init_from=... --data=... --reward=... --loss=online_dpo
 
 Each step samples k replies to each of `prompts_per_step` prompts (all ranks together, each rank its share) with the
