@@ -77,6 +77,10 @@ def configure(config, argv=None, finetune=None, kind=None, choices=None):
                       f"(defaults for real models; set them to change)", flush=True)
         if kind is not None:
             check_config(values, kind, choices or {})
+        unused = sorted(given & {"lora_alpha", "lora_dropout", "lora_targets"}) if not values.get("lora_rank") else []
+        if unused:  # a LoRA setting without adapters would be silently ignored
+            raise ConfigError(f"{unused[0]}={values[unused[0]]!r} is set but lora_rank=0 (full fine-tuning, no "
+                              f"adapters); set lora_rank (e.g. 8) to train adapters, or drop {unused[0]}")
     except ConfigError as e:
         one_line(f"config error: {e}")
     except SystemExit as e:

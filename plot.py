@@ -4,10 +4,10 @@ Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line pe
     python plot.py out/sft out/dpo                 # writes runs.png
     python plot.py out/dpo --out=dpo.png
 
-Panels (those some run logged): training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in task: greedy replies in
-the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected responses (if logps_chosen
-falls with logps_rejected, the policy is displacing likelihood, not preferring); for RL runs the mean reward of each
-step's sampled replies. Each run's steps follow the last's.
+Panels, those some run logged: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in
+task: greedy replies in the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected
+responses (if logps_chosen falls with logps_rejected, the policy is displacing likelihood, not preferring); for RL runs
+the mean reward of each step's sampled replies. Each run's steps follow the last's.
 """
 
 import json

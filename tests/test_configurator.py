@@ -49,3 +49,12 @@ def test_a_pretrained_start_gets_fine_tuning_values_unless_set(tmp_path, capsys)
     assert "fine-tuning a pretrained model: learning_rate=2e-05 (defaults for real models" in capsys.readouterr().out
     for start in (str(ours), "scratch"):
         assert configure(defaults(), [f"--init_from={start}"], finetune=finetune)["learning_rate"] == 3e-4
+
+
+def test_a_lora_setting_without_lora_rank_is_refused():
+    """lora_alpha / lora_dropout / lora_targets mean nothing at lora_rank=0: refused in one line, not ignored."""
+    cfg = lambda: dict(defaults(), lora_rank=0, lora_alpha=None, lora_dropout=0.0, lora_targets="q_proj")
+    with pytest.raises(SystemExit, match=r"lora_dropout=0.1 is set but lora_rank=0 .* set lora_rank"):
+        configure(cfg(), ["--lora_dropout=0.1"])
+    assert configure(cfg(), ["--lora_dropout=0.1", "--lora_rank=8"])["lora_dropout"] == 0.1
+    assert configure(cfg(), ["--batch_size=4"])["batch_size"] == 4
