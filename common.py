@@ -1,8 +1,8 @@
 """
-One way to build a training run, so that train_sft.py and train_dpo.py each hold only their own loop:
-setup() (ranks and device, tokenizer, data, model, optimizer, packed loader, resume) returns a Run, whose
-optimizer_step() skips non-finite updates; StopSignal turns Ctrl-C / SIGTERM into a checkpoint; the LR schedule.
-The config it gets has been checked by configurator.configure().
+One way to build a training run, so that each train_*.py holds only its own loop: setup() (ranks and device,
+what the config rules cannot check, tokenizer, data, model, optimizer, packed loader, resume) returns a Run; RULES
+for the keys setup reads; StepGuard skips non-finite updates; StopSignal turns Ctrl-C / SIGTERM into a checkpoint;
+the optimizer and the LR schedule.
 """
 import math
 import os
@@ -10,24 +10,33 @@ import shutil
 import signal
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from checkpoint import all_finite, base_fingerprint, load_checkpoint, restore_checkpoint
-from data.arithmetic import prepare_builtin
-from data.prepare import load, prepare
+from data.dataset import check_fits, check_kind, load_data, prepare_data
+from data.prepare import OVERLONG
 import lora
 from hf import from_pretrained, load_hf_weights, read_hf_config
-from model import ModelConfig, Transformer, attention_backend, config_from_preset
+from model import PRESETS, ModelConfig, Transformer, attention_backend, config_from_preset
 from packing import PackedLoader
-from parallel import is_master, precision, print0, setup_distributed, teardown_distributed, wrap_model
+from parallel import fail, precision, print0, setup_distributed, teardown_distributed, wrap_model
 from tokenizer import Tokenizer, get_tokenizer
+
+RULES = dict(  # configurator.check_rule: the choices or the interval of each key setup() reads
+    device=("auto", "cpu", "cuda"), dtype=("auto", "bfloat16", "float32"), compile=("auto", True, False),
+    parallel=("ddp", "fsdp"), preset=tuple(PRESETS), overlong=OVERLONG, loss_weighting=("token", "sequence"),
+    batch_size="[1, inf)", microbatch_tokens="[1, inf)", max_len="[1, inf)", max_iters="[0, inf)", epochs="(0, inf)",
+    learning_rate="(0, inf)", min_lr="[0, learning_rate]", warmup_iters="[0, inf)", weight_decay="[0, inf)",
+    grad_clip="[0, inf)", lora_rank="[0, inf)", lora_dropout="[0, 1)", seed="[0, 2**32)", val_fraction="[0, 1)",
+    log_interval="[1, inf)", eval_interval="[0, inf)", eval_examples="[0, inf)", max_bad_steps="[1, inf)",
+    dist_timeout="[1, inf)")
 
 
 @dataclass
 class Run:
-    """Everything a training script needs before its loop, built the same way for SFT and DPO by setup()."""
+    """Everything a training script needs before its loop, built the same way for SFT, DPO and RL by setup()."""
+    config: dict
     rank: int
     world_size: int
     device: torch.device
@@ -47,31 +56,38 @@ class Run:
     out_dir: str
     ckpt_path: str
     saved: dict                # the script's own extras from the checkpoint being resumed ({} otherwise)
-    max_bad_steps: int
-    stop: "StopSignal"
+    guard: "StepGuard"
     adapters: dict = None      # LoRA settings (rank, alpha, dropout, targets, quantize); None: full fine-tuning
-    skipped_steps: int = 0     # updates skipped for a non-finite loss or gradient norm, this process's lifetime
-    bad_in_a_row: int = 0
 
     @property
     def master(self):
         return self.rank == 0
 
-    def optimizer_step(self, step_loss, grad_clip, iter_num):
-        """Clip, and update only if the step's loss and gradient norm are finite on every rank. One small
-        all-reduce read by the host per step, which also makes every rank agree on a stop signal.
-        -> (gradient norm, whether the update was made, whether to stop after this step)."""
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
-        grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-        flags = torch.stack([~torch.isfinite(step_loss.float()) | ~torch.isfinite(grad_norm),
+    def exit_stopped(self, iter_num):
+        """After a stop signal, with the checkpoint saved: say how to continue, and exit 0."""
+        print0(f"stopped by {self.guard.stop.name or 'a signal on another rank'} after iter {iter_num}: checkpoint "
+               f"{self.ckpt_path}; continue with --init_from=resume --out_dir={self.out_dir}")
+        teardown_distributed()
+        raise SystemExit(0)
+
+
+class StepGuard:
+    """Whether an update may be made: the step's loss and gradient norm finite on every rank, read with one small
+    all-reduce per step, which also makes every rank agree on a stop signal. A non-finite update is skipped (the weights
+    do not change); max_bad_steps in a row stop the run."""
+
+    def __init__(self, max_bad_steps, ckpt_path):
+        self.max_bad_steps, self.ckpt_path = max_bad_steps, ckpt_path
+        self.stop = StopSignal()
+        self.skipped_steps = self.bad_in_a_row = 0  # skipped_steps: this process's lifetime
+
+    def check(self, loss, grad_norm, iter_num):
+        """-> (whether to update, whether to stop after this step)."""
+        flags = torch.stack([~torch.isfinite(loss.float()) | ~torch.isfinite(grad_norm),
                              torch.tensor(self.stop.name is not None, device=grad_norm.device)]).float()
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         bad, stop = flags.tolist()
-        if not bad:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
         self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
         self.skipped_steps += int(bad)
         if bad:
@@ -81,14 +97,14 @@ class Run:
             raise SystemExit(f"stopping: {self.bad_in_a_row} steps in a row had a non-finite loss or gradient norm. "
                              f"The last checkpoint ({self.ckpt_path}, if one was written) holds finite weights. "
                              f"Lower learning_rate or check the data, then resume or start again.")
-        return float(grad_norm), not bad, bool(stop)
+        return not bad, bool(stop)
 
-    def exit_stopped(self, iter_num):
-        """After a stop signal, with the checkpoint saved: say how to continue, and exit 0."""
-        print0(f"stopped by {self.stop.name or 'a signal on another rank'} after iter {iter_num}: checkpoint "
-               f"{self.ckpt_path}; continue with --init_from=resume --out_dir={self.out_dir}")
-        teardown_distributed()
-        raise SystemExit(0)
+
+def clip_grad_norm(model, max_norm):
+    """Clip the trained parameters' gradients to max_norm (0: no clipping) -> their norm before clipping."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"))
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
 
 class StopSignal:
@@ -110,11 +126,44 @@ class StopSignal:
         os.write(2, f"rank {os.environ.get('RANK', 0)}: {name}: stopping after this step with a checkpoint\n".encode())
 
 
+def check_run(c, kind):
+    """What RULES cannot say, before any data is tokenized or model loaded: one `config error:` line each."""
+    if c["device"] == "cuda" and not torch.cuda.is_available():
+        fail("config error: device='cuda'; this machine has no CUDA GPU (torch.cuda.is_available() is False); use "
+             "'auto' or 'cpu'")
+    try:
+        lora.check_settings(c, int(os.environ.get("WORLD_SIZE", 1)))
+    except ValueError as e:
+        fail(f"config error: {e}")
+    if c["init_from"] not in ("scratch", "resume") and not os.path.isfile(os.path.join(c["init_from"], "config.json")):
+        hint = {"dpo": "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`",
+                "rl": "; RL starts from a fine-tuned model: make the default one with `python train_sft.py && "
+                      "python train_dpo.py`"}.get(kind, "")
+        fail(f"config error: init_from={c['init_from']!r}; it is neither 'scratch', 'resume' nor a Hugging Face model "
+             f"folder (with a config.json){hint}")
+    if kind != "rl" and c["init_from"] != "resume":
+        try:
+            check_kind(c["data"], c["data_split"], c["val_data"], kind)
+        except SystemExit as e:
+            fail(e.code)
+    try:  # can we write where the run will live? Better now than after an hour of training
+        os.makedirs(c["out_dir"], exist_ok=True)
+        with open(os.path.join(c["out_dir"], f".write_test_{os.getpid()}"), "w") as f:
+            f.write("ok")
+        os.remove(f.name)
+    except OSError as e:
+        fail(f"config error: out_dir={c['out_dir']!r}; cannot write there ({e.strerror}); choose a writable folder")
+    if c["init_from"] != "resume" and not c["overwrite"] and os.path.exists(os.path.join(c["out_dir"], "ckpt.pt")):
+        fail(f"config error: {c['out_dir']} already holds a run (ckpt.pt); continue it with --init_from=resume, or "
+             f"start over there with --overwrite=True, or choose another out_dir")
+
+
 def setup(config, kind, builtin_sizes=None):
     """Ranks and device, precision, tokenizer, data, model (scratch preset, Hugging Face folder or resumed),
     optimizer, packed loader, and the checkpoint's state restored when init_from='resume'. kind: 'sft', 'dpo' or 'rl'
     (no token files and no loader: train_rl.py reads its prompts and makes its batches itself)."""
     c = config
+    check_run(c, kind)
     rank, world_size, device = setup_distributed(c["device"], c["dist_timeout"])
     torch.manual_seed(c["seed"])
     dtype, ptdtype, autocast = precision(device, c["dtype"], c["parallel"], world_size)
@@ -137,13 +186,14 @@ def setup(config, kind, builtin_sizes=None):
         start = dict(init_from=c["init_from"], preset=c["preset"])
         tok = choose_tokenizer(c["tokenizer"], c["init_from"])
         model_config = initial_config(start, tok)
-        data_dir = None if kind == "rl" else prepare_data(
-            c["data"], c["out_dir"], tok, kind, c["max_len"], model_config.max_seq_len, c["overlong"], c["seed"],
-            c["val_fraction"], c["data_split"], c["val_data"], **(builtin_sizes or {}))
+        data_dir = None if kind == "rl" else prepare_data(c, c["out_dir"], tok, kind, model_config.max_seq_len,
+                                                          builtin_sizes)
     train_data = val_data = loader = None
+    group_size = 2 if kind == "dpo" else 1
     if kind != "rl":
-        train_data, val_data = load_data(data_dir, tok, kind)
-        check_fits(model_config, tok, data_dir, train_data, val_data, c["microbatch_tokens"], kind)
+        train_data, val_data = load_data(data_dir, tok)
+        check_fits(model_config, tok, data_dir, dict(train=train_data, val=val_data), c["microbatch_tokens"],
+                   group_size, c.get("prefix_sharing", False))
     compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
     if c["compile"] == "auto" and not compiled:
         print0("compile='auto': off on CPU, where compiling costs seconds at every start for a gain within noise "
@@ -156,7 +206,7 @@ def setup(config, kind, builtin_sizes=None):
 
     if kind != "rl":
         loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
-                              seed=c["seed"], dpo=kind == "dpo", prefix_sharing=c.get("prefix_sharing", False))
+                              seed=c["seed"], group_size=group_size, prefix_sharing=c.get("prefix_sharing", False))
         units = f"{len(loader.lengths)} train {'pairs' if kind == 'dpo' else 'examples'}"
         if c["batch_size"] > len(loader.lengths):
             print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
@@ -176,11 +226,11 @@ def setup(config, kind, builtin_sizes=None):
     print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters{lora_note}{data_note} | world size {world_size} "
            f"({c['parallel']}) | device {device}, {dtype}, "
            f"attention {attention_backend(device, ptdtype)} | {max_iters} iterations")
-    return Run(rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
+    return Run(config=c, rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
                raw_model=raw_model, optimizer=optimizer, loader=loader, start_iter=start_iter, max_iters=max_iters,
-               out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved, max_bad_steps=c["max_bad_steps"],
-               stop=StopSignal(), adapters=adapters)
+               out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved, guard=StepGuard(c["max_bad_steps"], ckpt_path),
+               adapters=adapters)
 
 
 def build_model(model_config, start, seed, device, parallel, world_size, param_dtype, compile=False,
@@ -253,70 +303,6 @@ def choose_tokenizer(tokenizer, init_from):
         return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"))
     except (ValueError, OSError) as e:  # an unsupported tokenizer or template: the file and the key, one line
         raise SystemExit(f"tokenizer error: {e}") from None
-
-
-def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed, val_fraction, data_split, val_data,
-                 **builtin):
-    """-> the folder of token files for `data`. 'builtin' and records (data/prepare.py) are tokenized into out_dir/data
-    by rank 0 while the others wait; a folder written by data/prepare.py is used as it is. A sequence longer
-    than the model's positions is handled as one longer than max_len (`overlong`), so its line is named."""
-    if data != "builtin" and os.path.isfile(os.path.join(data, "meta.json")):
-        return data
-    data_dir = os.path.join(out_dir, "data")
-    if is_master():
-        try:
-            if data == "builtin":
-                prepare_builtin(data_dir, tokenizer=tok, kind=kind, **builtin)
-            else:
-                prepare(data, data_dir, tokenizer=tok, max_len=min(max_len, max_seq_len), overlong=overlong,
-                        val_fraction=val_fraction, seed=seed, data_split=data_split, val_input=val_data)
-        except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
-            capped = f" (max_len is capped at the model's max_seq_len={max_seq_len}: it has no positions beyond)"
-            raise SystemExit(f"data error: {e}{capped * (max_len > max_seq_len and 'max_len' in str(e))}") from None
-    if dist.is_initialized():
-        dist.barrier()
-    return data_dir
-
-
-def load_data(data_dir, tok, kind):
-    """-> (train, val) token data of a folder, checked against the run: SFT or DPO data, same tokenizer."""
-    train, meta = load(data_dir, "train")
-    val, _ = load(data_dir, "val")
-    if meta.get("kind") != kind:
-        what = dict(sft="chats ({\"messages\": [...]} lines)", dpo="preference pairs ({\"prompt\", \"chosen\", "
-                    "\"rejected\"} lines)")[kind]
-        raise SystemExit(f"{data_dir} holds {meta.get('kind')} data; this script needs {what}, see data/prepare.py")
-    if meta.get("tokenizer") != tok.name:
-        raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, this run uses "
-                         f"{tok.name!r}; prepare it again with the run's tokenizer")
-    return train, val
-
-
-def check_fits(model_config, tok, data_dir, train_data, val_data, microbatch_tokens, kind):
-    """Data the model cannot take, found at load time rather than iterations later: a tokenizer larger than the
-    embedding table, an example longer than the model's positions or than one micro-batch."""
-    if tok.vocab_size > model_config.vocab_size:
-        raise SystemExit(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_config.vocab_size} "
-                         f"embeddings; use the model's own tokenizer (--tokenizer=<its folder>)")
-    for split, data in (("train", train_data), ("val", val_data)):
-        lengths = np.diff(np.asarray(data["offsets"]))
-        if not len(lengths) and split == "train":
-            raise SystemExit(f"{data_dir} has no train examples; check the data (or lower val_fraction)")
-        if not len(lengths):
-            print0(f"note: {data_dir} has no val examples: evaluation reports no val loss (a small file? raise "
-                   f"val_fraction)")
-            continue
-        i = int(lengths.argmax())
-        if lengths[i] > model_config.max_seq_len:
-            raise SystemExit(f"{data_dir}: {split} example {i} has {lengths[i]} tokens, more than the model's "
-                             f"max_seq_len={model_config.max_seq_len} positions; prepare the data with "
-                             f"--max_len={model_config.max_seq_len} (and --overlong=truncate or skip)")
-        units = lengths.reshape(-1, 2).sum(1) if kind == "dpo" else lengths
-        if units.max() > microbatch_tokens:
-            what = "pair (chosen + rejected)" if kind == "dpo" else "example"
-            raise SystemExit(f"{data_dir}: the longest {split} {what} ({int(units.argmax())}) has {units.max()} "
-                             f"tokens, more than microbatch_tokens={microbatch_tokens}; raise microbatch_tokens to "
-                             f"at least {units.max()}, or prepare the data with a smaller --max_len")
 
 
 def make_optimizer(model, learning_rate, weight_decay, betas=(0.9, 0.95), device_type="cpu"):

@@ -1,48 +1,46 @@
 """
 nanoGPT-style configuration: a training script keeps its config as plain globals at the top, then calls
-`config = configure(globals(), kind=...)`, which applies every config/*.py file named on the command line, then every
+`config = configure(globals(), rules=...)`, which applies every config/*.py file named on the command line, then every
 --key=value. Only keys the script defines can be set, each with the type of its default (an int where a float is
-expected; a default of None or 'auto' takes any type).
+expected; a default of None or 'auto' takes any type), and each value must pass the script's own rules: a tuple of
+choices, or an interval such as "[1, inf)" or "(0, 1]" (its ends may name other keys: "[0, learning_rate]").
+--help prints the keys, their defaults and the comments beside them: the config block is the documentation.
 
 finetune: values for the keys argv does not set, when the run starts from a pretrained model (a folder with its own
-tokenizer), said once: toy learning rates destroy a real model. init_from='resume': the run's saved config, with
-keys given again printed as overrides; FIXED_ON_RESUME keys cannot change. Then (kind given) every value a user can
-get wrong is checked before any data is tokenized or model loaded (check_config).
-Every mistake is one `config error:` line naming the key (and file or argument), the value and what is accepted.
+tokenizer), said once. init_from='resume': the run's saved config, with keys given again printed as overrides;
+FIXED_ON_RESUME keys cannot change. Every mistake is one `config error:` line naming the key, the value and what
+is accepted.
 """
-
 import ast
-import importlib.util
 import math
 import os
+import re
 import sys
-import time
 
 import torch
 
-import lora
-from data.prepare import OVERLONG, data_files, peek_kind
-from model import PRESETS
-from parallel import is_master
-from tokenizer import Tokenizer
+from parallel import fail, is_master
 
 FIXED_ON_RESUME = ("data", "data_split", "val_data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong",
                    "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize_base")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 
 
 class ConfigError(ValueError):
     pass
 
 
-def _check(config, key, value, where):
+def _check(config, key, value, text, where):
     if key not in config:
         close = [k for k in config if k.split("_")[0] == key.split("_")[0]][:5]
         hint = f" (similar: {', '.join(close)})" if close else ""
         raise ConfigError(f"{where}: unknown config key {key!r}{hint}; the keys are the globals at the top of the "
-                          f"script")
+                          f"script (--help lists them)")
     default = config[key]
     if default in (None, "auto"):
-        return value  # None and 'auto' defaults take values of other types too; the script checks them
+        return value  # None and 'auto' defaults take values of other types too; the rules check them
+    if isinstance(default, str) and text is not None:
+        return text  # a string key takes the text as written: --wandb_run_name=123
     same_kind = isinstance(value, bool) == isinstance(default, bool)  # True is an int to Python, not a batch size
     if same_kind and isinstance(value, type(default)):
         return value
@@ -53,19 +51,25 @@ def _check(config, key, value, where):
 
 
 def _parse(text):
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
     try:
         return ast.literal_eval(text)
     except (ValueError, SyntaxError):
         return text  # a bare word is a string: --init_from=resume
 
 
-def configure(config, argv=None, finetune=None, kind=None, choices=None):
+def configure(config, argv=None, finetune=None, rules=None):
     """Update the dict `config` (a script's globals()) in place from argv, and from the saved config of the run
-    being resumed; returns the plain config values, checked when kind ('sft', 'dpo') is given, with the script's
-    own {key: allowed values} in choices. A mistake ends the program with its one-line message."""
+    being resumed; returns the plain config values, each checked against rules {key: choices tuple or interval}.
+    A mistake ends the program with its one-line message."""
+    argv = sys.argv[1:] if argv is None else argv
+    if {"-h", "--help"} & set(argv):
+        print_help(config)
+        raise SystemExit(0)
     given = set()  # keys set by argv: a config file or --key=value
     try:
-        values = apply_overrides(config, sys.argv[1:] if argv is None else argv, given)
+        values = apply_overrides(config, argv, given)
         if values.get("init_from") == "resume":
             values = restore_saved(config, values, given)
         elif finetune and pretrained(values.get("init_from", "")):
@@ -75,118 +79,52 @@ def configure(config, argv=None, finetune=None, kind=None, choices=None):
             if chosen and is_master():
                 print(f"fine-tuning a pretrained model: {', '.join(f'{k}={v}' for k, v in chosen.items())} "
                       f"(defaults for real models; set them to change)", flush=True)
-        if kind is not None:
-            check_config(values, kind, choices or {})
-        unused = sorted(given & {"lora_alpha", "lora_dropout", "lora_targets"}) if not values.get("lora_rank") else []
-        if unused:  # a LoRA setting without adapters would be silently ignored
-            raise ConfigError(f"{unused[0]}={values[unused[0]]!r} is set but lora_rank=0 (full fine-tuning, no "
-                              f"adapters); set lora_rank (e.g. 8) to train adapters, or drop {unused[0]}")
+        for key, rule in (rules or {}).items():
+            if key in values:  # shared rules (common.RULES) name keys some scripts lack
+                check_rule(values, key, rule)
     except ConfigError as e:
-        one_line(f"config error: {e}")
-    except SystemExit as e:
-        one_line(e.code)
+        fail(f"config error: {e}")
     return values
 
 
-def one_line(message):
-    """Exit with the message printed once: by rank 0, while the other ranks wait for torchrun to stop them (were they
-    to exit first, torchrun could stop rank 0 before it prints)."""
-    if not is_master():
-        time.sleep(30)
-    raise SystemExit(message) from None
-
-
-def check_config(c, kind, choices):
-    """Every value a user can get wrong, checked before any data is tokenized or model loaded: one
-    `config error:` line each, naming the key, the value and what is accepted."""
-    def bad(key, accepted):
-        raise SystemExit(f"config error: {key}={c[key]!r}; {accepted}")
-
-    choices = dict(device=("auto", "cpu", "cuda"), dtype=("auto", "bfloat16", "float32"), compile=("auto", True, False),
-                   parallel=("ddp", "fsdp"), overlong=OVERLONG, loss_weighting=("token", "sequence"), **choices)
-    for key, allowed in choices.items():
-        if key in c and c[key] not in allowed:
+def check_rule(c, key, rule):
+    value = c[key]
+    if value is None:  # only a key whose default is None can hold it
+        return
+    if isinstance(rule, tuple):
+        if value not in rule:
             why = "; float16 needs loss scaling that nanopack does not do: bfloat16 has float32's range" * (
-                c[key] in ("float16", "fp16", "half"))
-            bad(key, f"choose one of {', '.join(allowed)}{why}")
-    at_least = dict(lora_rank=0, batch_size=1, microbatch_tokens=1, log_interval=1, max_len=1, max_bad_steps=1,
-                    dist_timeout=1, max_iters=0, eval_interval=0, eval_examples=0, warmup_iters=0, weight_decay=0.0,
-                    grad_clip=0.0, min_lr=0.0, label_smoothing=0.0, sft_weight=0.0, k=2, prompts_per_step=1,
-                    max_new_tokens=1, updates_per_batch=1, kl_coef=0.0)
-    for key, low in at_least.items():
-        if key in c and c[key] < low:
-            bad(key, f"it must be at least {low}")
-    for key in ("learning_rate", "epochs", "beta", "temperature", "clip_eps"):
-        if key in c and not 0 < c[key] < math.inf:
-            bad(key, "it must be a finite number greater than 0")
-    if c["min_lr"] > c["learning_rate"]:
-        bad("min_lr", f"it must not exceed learning_rate={c['learning_rate']} (the schedule decays to it)")
-    if kind == "rl" and (c["max_iters"] < 1 or not 0 < c["top_p"] <= 1):
-        bad(*("max_iters", "it must be at least 1") if c["max_iters"] < 1 else ("top_p", "it must be in (0, 1]"))
-    for key, high in (("seed", 2**32), ("val_fraction", 1.0), ("lora_dropout", 1.0)):
-        if key in c and not 0 <= c[key] < high:
-            bad(key, f"it must be in [0, {'2**32' if key == 'seed' else 1})")
-    if kind == "dpo" and (c["label_smoothing"] >= 0.5 or (c["label_smoothing"] and c["loss_type"] in ("ipo", "hinge"))):
-        bad("label_smoothing", "it must be below 0.5, and 0 for ipo and hinge")
-    check_lora(c, bad)
-    if c["device"] == "cuda" and not torch.cuda.is_available():
-        bad("device", "this machine has no CUDA GPU (torch.cuda.is_available() is False); use 'auto' or 'cpu'")
-    if c["init_from"] == "scratch" and c["preset"] not in PRESETS:
-        bad("preset", f"choose one of {', '.join(PRESETS)}")
-    if c["init_from"] not in ("scratch", "resume") and not os.path.isfile(os.path.join(c["init_from"], "config.json")):
-        hint = {"dpo": "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`",
-                "rl": "; RL starts from a fine-tuned model: make the default one with `python train_sft.py && "
-                      "python train_dpo.py`"}.get(kind, "")
-        bad("init_from", f"it is neither 'scratch', 'resume' nor a Hugging Face model folder (with a config.json)"
-                         f"{hint}")
-    if c["tokenizer"] not in ("", "byte") and not Tokenizer.has_files(c["tokenizer"]):
-        bad("tokenizer", "use 'byte' or a folder with tokenizer.json or tokenizer.model")
-    records = c["data"] != "builtin" and not os.path.isfile(os.path.join(c["data"], "meta.json"))
-    if records and kind != "rl" and c["init_from"] != "resume":  # rl: train_rl.py reads its prompts itself
-        try:  # records (JSONL, Parquet, a folder of shards, a glob): the first one says SFT or DPO, nothing tokenized
-            found, where = peek_kind(c["data"], c["data_split"])
-            c["val_data"] and data_files(c["val_data"])
-        except (ValueError, OSError) as e:
-            raise SystemExit(f"data error: {e}") from None
-        if found != kind:
-            need = "chosen/rejected pairs" if kind == "dpo" else "messages"
-            raise SystemExit(f"data error: {where} is {found.upper()} data but train_{kind}.py trains {kind.upper()} "
-                             f"({need}); use train_{found}.py for it")
-    elif not records and kind != "rl" and (c["data_split"] or c["val_data"]):
-        bad("data_split" if c["data_split"] else "val_data", "it picks raw records; this data is 'builtin' or "
-            "already prepared")
-    try:  # can we write where the run will live? Better now than after an hour of training
-        os.makedirs(c["out_dir"], exist_ok=True)
-        with open(os.path.join(c["out_dir"], f".write_test_{os.getpid()}"), "w") as f:
-            f.write("ok")
-        os.remove(f.name)
-    except OSError as e:
-        bad("out_dir", f"cannot write there ({e.strerror}); choose a writable folder")
-    if c["init_from"] != "resume" and not c["overwrite"] and os.path.exists(os.path.join(c["out_dir"], "ckpt.pt")):
-        raise SystemExit(f"config error: {c['out_dir']} already holds a run (ckpt.pt); continue it with "
-                         f"--init_from=resume, or start over there with --overwrite=True, or choose another out_dir")
+                value in ("float16", "fp16", "half"))
+            raise ConfigError(f"{key}={value!r}; choose one of {', '.join(map(str, rule))}{why}")
+        return
+    left, low, high, right = re.fullmatch(r"([\[(])(.+), (.+)([\])])", rule).groups()
+    lo, hi = (eval(end, {"__builtins__": {}}, dict(c, inf=math.inf)) for end in (low, high))  # our own rules only
+    if (value >= lo if left == "[" else value > lo) and (value <= hi if right == "]" else value < hi):
+        return
+    if hi == math.inf:
+        need = f"at least {lo}" if left == "[" else f"a finite number greater than {lo}"
+    else:
+        need = f"in {left}{low}, {high}{right}" + (f" ({high}={hi})" if high in c else "")
+    raise ConfigError(f"{key}={value!r}; it must be {need}")
 
 
-def check_lora(c, bad):
-    """LoRA / QLoRA keys (lora_rank 0: full fine-tuning, the other keys unused)."""
-    alpha = c["lora_alpha"]
-    number = isinstance(alpha, (int, float)) and not isinstance(alpha, bool)
-    if alpha is not None and not (number and 0 < alpha < math.inf):
-        bad("lora_alpha", "it must be a number greater than 0 (None: 2 x lora_rank)")
-    unknown = [t for t in c["lora_targets"].split(",") if t not in lora.TARGETS]
-    if unknown or not c["lora_targets"]:
-        bad("lora_targets", f"no layer is called {', '.join(map(repr, unknown))}; a block's linear layers are "
-                            f"{','.join(lora.TARGETS)} (comma-separated, no spaces)")
-    if c["quantize_base"] not in ("", "nf4"):
-        bad("quantize_base", "choose '' (the base in dtype) or 'nf4' (QLoRA)")
-    if c["quantize_base"] and not c["lora_rank"]:
-        bad("quantize_base", "a 4-bit base cannot be trained: it needs adapters, set lora_rank (e.g. 16)")
-    if c["quantize_base"] and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        bad("quantize_base", "QLoRA runs in one process (a model that fits one GPU); use LoRA without it on several")
-    if c["quantize_base"] and importlib.util.find_spec("torchao") is None:
-        bad("quantize_base", "'nf4' needs torchao: pip install torchao")
-    if c.get("reference") == "adapters_off" and not c["lora_rank"]:
-        bad("reference", "'adapters_off' is the base model under the adapters: it needs lora_rank > 0")
+def print_help(config):
+    """The script's config block as written, each key with its value now (a config file or --key=value applied)."""
+    path = config.get("__file__", sys.argv[0])
+    lines = open(path).read().splitlines()
+    keys = {stmt.lineno: stmt.targets[0].id for node in ast.parse("\n".join(lines)).body
+            for stmt in (node.body if isinstance(node, ast.If) else [node])  # sample.py keeps its keys under __main__
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id in config}
+    first = min(keys)
+    while lines[first - 2].strip().startswith("#"):  # the comments above the first key
+        first -= 1
+    print(f"{os.path.basename(path)}: set a key with --key=value, or in a config file named before them. The keys:")
+    for n in range(first, max(keys) + 1):
+        line = lines[n - 1]
+        if n in keys:
+            print(f"  --{keys[n]}={config[keys[n]]!r}  {line[line.find('#'):] if '#' in line else ''}".rstrip())
+        elif line.strip().startswith("#") and "-----" not in line:
+            print(f"  {line.strip()}")
 
 
 def pretrained(init_from):
@@ -223,21 +161,19 @@ def apply_overrides(config, argv, given=None):
             if "=" not in arg:
                 raise ConfigError(f"argument {arg!r}: write --key=value")
             key, text = arg[2:].split("=", 1)
-            value = _check(keys, key, _parse(text), f"argument {arg!r}")
-            keys[key] = config[key] = value
-            given.add(key)
+            value = _check(keys, key, _parse(text), text, f"argument {arg!r}")
+        elif not (arg.endswith(".py") and os.path.isfile(arg)):
+            data = arg.endswith(DATA_SUFFIXES) or os.path.isdir(arg)
+            raise ConfigError(f"argument {arg!r}: " + (f"a config file is a .py file that exists; is it data? pass "
+                              f"--data={arg}" if data else "no such config file (a .py file), and not --key=value"))
         else:  # a config file: plain Python assignments
-            try:
-                with open(arg) as f:
-                    source = f.read()
-            except OSError as e:
-                raise ConfigError(f"config file {arg!r} cannot be read: {e.strerror}") from None
             scope = {}
-            exec(compile(source, arg, "exec"), {}, scope)
+            exec(compile(open(arg).read(), arg, "exec"), {}, scope)
             for key, value in scope.items():
-                if key.startswith("_") or callable(value) or type(value).__name__ == "module":
-                    continue
-                value = _check(keys, key, value, f"config file {arg}")
-                keys[key] = config[key] = value
-                given.add(key)
+                if not (key.startswith("_") or callable(value) or type(value).__name__ == "module"):
+                    keys[key] = config[key] = _check(keys, key, value, None, f"config file {arg}")
+                    given.add(key)
+            continue
+        keys[key] = config[key] = value
+        given.add(key)
     return keys

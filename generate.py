@@ -1,7 +1,7 @@
 """
 Generation with a KV cache on the packed stream: a batch of prompts is read once, in one packed prefill (however many
 replies each gets), then each new token is one decode step over the unfinished replies (no padding anywhere). Used by
-sample.py and evaluation.
+sample.py, evaluation and train_rl.py's sampling.
 """
 import torch
 import torch.nn.functional as F

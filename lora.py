@@ -8,6 +8,7 @@ Switched off (adapters_disabled) it is the base exactly: DPO's reference without
 Out: merged_state_dict (W + scale B A, for hf.save_pretrained) and save_adapter (a PEFT folder).
 """
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -29,13 +30,38 @@ class LoRALinear(nn.Linear):
         return y + F.linear(F.linear(self.dropout(x), self.lora_A), self.lora_B) * self.scale
 
 
+def check_settings(c, world_size=1):
+    """The LoRA keys of a config (lora_rank 0: full fine-tuning, the others unused), before any work: a mistake raises
+    ValueError('key=value; what is accepted')."""
+    def bad(key, accepted):
+        raise ValueError(f"{key}={c[key]!r}; {accepted}")
+
+    alpha = c["lora_alpha"]
+    if alpha is not None and not (type(alpha) in (int, float) and 0 < alpha < math.inf):
+        bad("lora_alpha", "it must be a number greater than 0 (None: 2 x lora_rank)")
+    unknown = [t for t in c["lora_targets"].split(",") if t not in TARGETS]
+    if unknown or not c["lora_targets"]:
+        bad("lora_targets", f"no layer is called {', '.join(map(repr, unknown))}; a block's linear layers are "
+                            f"{','.join(TARGETS)} (comma-separated, no spaces)")
+    quantize = c["quantize_base"]
+    if quantize not in ("", "nf4"):
+        bad("quantize_base", "choose '' (the base in dtype) or 'nf4' (QLoRA)")
+    if quantize and not c["lora_rank"]:
+        bad("quantize_base", "a 4-bit base cannot be trained: it needs adapters, set lora_rank (e.g. 16)")
+    if quantize and world_size > 1:
+        bad("quantize_base", "QLoRA runs in one process (a model that fits one GPU); use LoRA without it on several")
+    if quantize and importlib.util.find_spec("torchao") is None:
+        bad("quantize_base", "'nf4' needs torchao: pip install torchao")
+    defaults = dict(lora_alpha=None, lora_dropout=0.0, lora_targets=",".join(TARGETS))
+    unused = [k for k, v in defaults.items() if c[k] != v] if not c["lora_rank"] else []
+    if unused:  # a LoRA setting without adapters would be silently ignored
+        bad(unused[0], f"it is set but lora_rank=0 (full fine-tuning, no adapters); set lora_rank (e.g. 8) to train "
+                       f"adapters, or drop {unused[0]}")
+
+
 def add_adapters(model, rank, alpha, dropout=0.0, targets=TARGETS):
-    """Freeze the model and give each target linear of every block rank-`rank` adapters (initialised unless the
-    model is on the meta device: then init_adapters after placing it). Returns the model."""
-    unknown = sorted(set(targets) - set(TARGETS))
-    if unknown:
-        raise ValueError(f"lora_targets: no layer is called {', '.join(map(repr, unknown))}; a block's linear "
-                         f"layers are {', '.join(TARGETS)}")
+    """Freeze the model and give each target linear of every block (check_settings' names) rank-`rank` adapters
+    (initialised unless the model is on the meta device: then init_adapters after placing it). Returns the model."""
     model.requires_grad_(False)
     for block in model.layers:
         for parent in (block.self_attn, block.mlp):

@@ -3,15 +3,15 @@ Lengths in, packed micro-batches out. A micro-batch is whole examples back to ba
 long, cu_seqlens marking the boundaries attention never crosses: nothing padded, cut or dropped.
 
 Data (data/prepare.py): ids (M,) all tokens; offsets (N+1,), example i is ids[offsets[i]:offsets[i+1]];
-loss_mask (M,), 1 on the tokens to learn. DPO: examples 2p and 2p+1 are pair p's chosen and rejected.
+loss_mask (M,), 1 on the tokens to learn. A unit is what travels whole: an SFT example, or a group of group_size
+adjacent sequences sharing a prompt (a DPO pair: 2, chosen then rejected; an RL group: k replies).
 The label shift happens here, once: targets[t] is the token position t must predict (the next one, if trained and
 in the same sequence, else IGNORE_INDEX); the model knows nothing of shifting or boundaries.
 
-Prefix sharing: a group of k sequences that start with the same P tokens (the prompt; a DPO pair is k = 2, an RL
-group k replies to one prompt) is laid out `prompt | rest 1 | ... | rest k` (positions 0..P-1 | P.. | P..): the prompt
-is computed once, each later rest attending to it through a key/value stream of its own (kv_index: each sequence's
-rows, the prompt's k times; cu_seqlens_k). The prompt's last row then predicts k tokens, so targets are triples
-(target_rows, targets, seq_ids).
+Prefix sharing: a group of k sequences that start with the same P tokens (the prompt) is laid out
+`prompt | rest 1 | ... | rest k` (positions 0..P-1 | P.. | P..): the prompt is computed once, each later rest attending
+to it through a key/value stream of its own (kv_index: each sequence's rows, the prompt's k times; cu_seqlens_k). The
+prompt's last row then predicts k tokens, so a group's targets are triples (target_rows, targets, seq_ids).
 """
 import heapq
 from bisect import bisect_left, insort
@@ -63,6 +63,42 @@ def pack(lengths, token_budget):
     return bins
 
 
+def balance(lengths, world_size):
+    """Units (lengths (U,)) split over ranks: longest first to the rank with the fewest tokens so far (ties: lowest
+    rank) -> a list of unit indices per rank. Deterministic: every rank computes every share."""
+    heap = [(0, r) for r in range(world_size)]
+    shares = [[] for _ in range(world_size)]
+    for u in np.argsort(-np.asarray(lengths), kind="stable").tolist():
+        tokens, r = heapq.heappop(heap)
+        shares[r].append(u)
+        heapq.heappush(heap, (tokens + int(lengths[u]), r))
+    return shares
+
+
+def rank_bins(units, lengths, token_budget, rank=0, world_size=1):
+    """This rank's forwards over `units` (lengths: (U,) tokens of every unit, as computed): the units balanced over the
+    ranks, each share packed best-fit-decreasing -> bins of unit indices, padded with fillers ([]: one dummy token, no
+    targets) to as many as the busiest rank has, since under DDP and FSDP every forward is a collective."""
+    units = np.asarray(units, dtype=np.int64).reshape(-1)
+    shares = [units[s] for s in balance(lengths[units], world_size)]
+    bins = [[share[b].tolist() for b in pack(lengths[share], token_budget)] if len(share) else [] for share in shares]
+    return bins[rank] + [[]] * (max(map(len, bins)) - len(bins[rank]))
+
+
+def target_counts(data):
+    """(N,) trained tokens of each sequence: its mask less its first token, never a target (make_batch)."""
+    offsets, mask = np.asarray(data["offsets"], dtype=np.int64), np.asarray(data["loss_mask"])
+    if len(offsets) == 1:
+        return np.zeros(0, dtype=np.int64)
+    return np.add.reduceat(mask[:offsets[-1]], offsets[:-1], dtype=np.int64) - mask[offsets[:-1]]
+
+
+def unit_lengths(data, group_size=1, prefix=None):
+    """(U,) tokens each unit computes: an example, or a group of group_size sequences (its shared prefix once)."""
+    lengths = np.diff(np.asarray(data["offsets"], dtype=np.int64)).reshape(-1, group_size).sum(1)
+    return lengths if prefix is None else lengths - (group_size - 1) * prefix
+
+
 def shared_prefixes(data, group_size=2):
     """Groups of group_size sequences (DPO pairs: 2): (U,) how many tokens all of a group's sequences share at the
     start (the prompt, and any identical first reply tokens), at most one less than any of their lengths, so each
@@ -82,8 +118,8 @@ def shared_prefixes(data, group_size=2):
 
 def group_data(prompts, replies, masks=None):
     """RL groups as token data: prompts, G token-id lists; replies, G lists of k token-id lists; masks, 0/1 per reply
-    token (None: all trained). -> the DPO layout, group g's sequences g*k .. g*k+k-1 each `prompt + reply`, the loss on
-    reply tokens only: make_batch(data, groups, dpo=True, prefix=shared_prefixes(data, k), group_size=k)."""
+    token (None: all trained). -> token data whose group g is sequences g*k .. g*k+k-1, each `prompt + reply`, the loss
+    on reply tokens only: make_batch(data, groups, group_size=k, prefix=shared_prefixes(data, k))."""
     seqs = [(p, r, np.ones(len(r)) if masks is None else masks[g][j])
             for g, (p, group) in enumerate(zip(prompts, replies)) for j, r in enumerate(group)]
     cat = lambda parts, dtype: np.concatenate([np.asarray(x, dtype) for x in parts]) if parts else np.zeros(0, dtype)
@@ -94,20 +130,20 @@ def group_data(prompts, replies, masks=None):
 
 @dataclass
 class PackedBatch:
-    """One packed micro-batch: N whole sequences back to back (a filler, N = 0, is one dummy token). Targets: SFT,
-    one per position (target_rows None, targets and seq_ids (T,)); DPO, one triple per trained token (target_rows,
-    targets, seq_ids (K,)). Either way sequence_sums() adds per-target values up per sequence."""
+    """One packed micro-batch: N whole sequences back to back (a filler, N = 0, is one dummy token). Targets: SFT
+    examples, one per position (target_rows None, targets and seq_ids (T,)); groups, one triple per trained token
+    (target_rows, targets, seq_ids (K,)). Either way sequence_sums() adds per-target values up per sequence."""
     input_ids: torch.Tensor        # (T,) long
-    targets: torch.Tensor          # (T,) the next token where it is trained, else IGNORE_INDEX; DPO (K,) tokens
-    target_rows: object            # None, or DPO (K,) long: the hidden row that predicts targets[i]
-    seq_ids: torch.Tensor          # (T,) sequence 0..N-1 of each position (a filler's token: N); DPO (K,)
+    targets: torch.Tensor          # (T,) the next token where it is trained, else IGNORE_INDEX; groups (K,) tokens
+    target_rows: object            # None, or groups (K,) long: the hidden row that predicts targets[i]
+    seq_ids: torch.Tensor          # (T,) sequence 0..N-1 of each position (a filler's token: N); groups (K,)
     position_ids: torch.Tensor     # (T,) long, restarting at 0 for every sequence (P.. for a shared rejected rest)
     cu_seqlens: torch.Tensor       # (N+1,) int32 query segments, one per sequence
     max_seqlen: int                # longest query segment (the kernel sees it)
     kv: object                     # None: keys = queries; prefix sharing: (kv_index (Tk,), cu_seqlens_k, max_seqlen_k)
-    units: torch.Tensor            # (U,) long, the data's units in this batch: examples (SFT) or pairs (DPO)
-    num_sequences: int             # N, real sequences (0 for a filler micro-batch); DPO: seqs 2j, 2j+1 = pair j
-    num_pairs: int                 # DPO: U (pairs, or groups of k sequences), 0 for SFT
+    units: torch.Tensor            # (U,) long, the data's units in this batch: examples, or groups
+    num_sequences: int             # N, real sequences (0 for a filler); groups: seqs j*k .. j*k+k-1 = group j
+    num_groups: int                # U for groups (DPO pairs, RL groups), 0 for SFT examples
     num_tokens: int                # real tokens computed (a shared prompt counts once)
     num_target_tokens: int         # trained tokens (rows the LM head scores)
     num_padding: int               # 1 for a filler's dummy token, else 0
@@ -136,23 +172,23 @@ class PackedBatch:
 
     def group_sums(self, values, group_size):
         """Groups of group_size sequences: values per target -> (U, k) per-sequence sums, row u the batch's unit u."""
-        return self.sequence_sums(values)[:group_size * self.num_pairs].view(self.num_pairs, group_size)
+        return self.sequence_sums(values)[:group_size * self.num_groups].view(self.num_groups, group_size)
 
     def pair_sums(self, values):
         """DPO: values per target -> (chosen (P,), rejected (P,)) per-sequence sums."""
         return self.group_sums(values, 2).unbind(1)
 
 
-def make_batch(data, units, dpo=False, prefix=None, group_size=2):
-    """Concatenate the data's units (examples; DPO: pairs, or groups of group_size sequences) into one PackedBatch.
-    prefix (DPO): shared_prefixes() of the data, so that each group's shared prompt is computed once; None lays
-    every sequence out whole."""
+def make_batch(data, units, group_size=1, prefix=None):
+    """Concatenate the data's units into one PackedBatch: examples (group_size 1), or groups of group_size sequences
+    (a DPO pair: 2), sequences j*k .. j*k+k-1 of the batch being its group j. prefix: shared_prefixes() of the data, so
+    that each group's shared prompt is computed once; None lays every sequence out whole."""
     ids, offsets, loss_mask = data["ids"], data["offsets"], data["loss_mask"]
     units = np.asarray(units, dtype=np.int64).reshape(-1)
-    # DPO: a group's sequences adjacent, so sequences j*k .. j*k+k-1 of the batch are group j's (k = 2: a pair).
-    examples = (group_size * units[:, None] + np.arange(group_size)).reshape(-1) if dpo else units
+    grouped = group_size > 1
+    examples = (group_size * units[:, None] + np.arange(group_size)).reshape(-1)
     skip = np.zeros(len(examples), dtype=np.int64)  # leading tokens a sequence takes from the one before it
-    if dpo and prefix is not None:
+    if grouped and prefix is not None:
         skip.reshape(-1, group_size)[:, 1:] = prefix[units, None]
     # Per sequence: its tokens, mask, and `rows`, where each of its positions sits in the stream. A shared
     # later sequence appends only its rest; its rows start with the group's prompt rows.
@@ -177,7 +213,7 @@ def make_batch(data, units, dpo=False, prefix=None, group_size=2):
     target_rows = cat([r[j] for r, j in zip(rows, trained)])
     targets = cat([x[j + 1] for x, j in zip(tokens, trained)])
     target_seq = np.repeat(np.arange(n_seq), [len(j) for j in trained])
-    if dpo:
+    if grouped:
         seq_ids = target_seq
     else:  # SFT: one target slot per position, the form the loss weights and the tests use
         targets_per_row = np.full(n_tok + n_pad, IGNORE_INDEX, dtype=np.int64)
@@ -194,7 +230,7 @@ def make_batch(data, units, dpo=False, prefix=None, group_size=2):
         target_rows=None if target_rows is None else as_long(target_rows), seq_ids=as_long(seq_ids),
         position_ids=as_long(cat(positions)), cu_seqlens=torch.from_numpy(np.cumsum([0] + q_lens).astype(np.int32)),
         max_seqlen=max(q_lens), kv=kv, units=as_long(units), num_sequences=n_seq,
-        num_pairs=len(units) if dpo else 0, num_tokens=n_tok, num_target_tokens=len(target_seq), num_padding=n_pad)
+        num_groups=len(units) if grouped else 0, num_tokens=n_tok, num_target_tokens=len(target_seq), num_padding=n_pad)
 
 
 @dataclass
@@ -202,11 +238,10 @@ class Step:
     """What one optimizer step consumes. Counts are GLOBAL (all ranks): every rank knows the
     global order, so the loss can be normalised exactly without communication."""
     microbatches: list        # this rank's PackedBatch list; the same length on every rank
-    num_examples: int         # sequences in the step (DPO: 2 * num_pairs)
-    num_pairs: int            # DPO pairs in the step (0 for SFT)
+    num_examples: int         # sequences in the step (DPO: 2 * num_groups)
+    num_groups: int           # groups (DPO pairs) in the step (0 for SFT)
     num_target_tokens: int    # tokens with a label in the step
-    epoch: int
-    step: int                 # index of this step within its epoch
+    units: np.ndarray         # the step's units, all ranks
     state: dict               # loader state that resumes right after this step
 
 
@@ -216,41 +251,19 @@ class PackedLoader:
     Step k of epoch e holds the units (examples; DPO: pairs) perm[k*B:(k+1)*B] of a permutation seeded by (seed, e):
     a step's data never depends on world_size or microbatch_tokens, so 1 GPU and 8 train on the same data and a run
     resumes on another number of GPUs. An epoch's last partial step is a smaller step. Each rank takes a near-equal
-    share of the step's tokens, packed best-fit-decreasing into micro-batches.
+    share of the step's tokens, packed best-fit-decreasing into micro-batches (rank_bins), as many on every rank.
+    The script syncs gradients on the last micro-batch and divides each summed loss by the step's global count
+    (num_target_tokens for SFT, num_groups for DPO), times world_size where gradients are averaged over ranks.
+    Resuming: state_dict() is the state after the last step returned (or step.state of a step in hand)."""
 
-    Every rank gets as many micro-batches (DDP and FSDP collectives hang otherwise): a rank with fewer gets fillers,
-    no real tokens or targets, whose loss still touches the parameters. The script syncs gradients on the last one and
-    divides each summed loss by the step's global count (num_target_tokens for SFT, num_pairs for DPO), times
-    world_size where gradients are averaged over ranks. Resuming: state_dict() is the state after the last step
-    returned (or step.state of a step in hand)."""
-
-    def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0,
-                 dpo=False, prefix_sharing=False):
-        assert 0 <= rank < world_size and batch_size >= 1
+    def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0, group_size=1,
+                 prefix_sharing=False):
+        assert 0 <= rank < world_size and batch_size >= 1 and (len(data["offsets"]) - 1) % group_size == 0
         self.data, self.batch_size, self.microbatch_tokens = data, batch_size, microbatch_tokens
-        self.rank, self.world_size, self.seed, self.dpo = rank, world_size, seed, dpo
-        offsets = np.asarray(data["offsets"], dtype=np.int64)
-        seqlens = np.diff(offsets)  # (N,)
-        if (seqlens <= 0).any():
-            i = int(np.flatnonzero(seqlens <= 0)[0])
-            raise ValueError(f"example {i} has {int(seqlens[i])} tokens; re-prepare the data")
-        if dpo and len(seqlens) % 2:
-            raise ValueError(f"DPO data needs an even number of sequences, got {len(seqlens)}")
-        # Targets per example (first token excluded, as in make_batch): the step's global count.
-        mask = data["loss_mask"][:offsets[-1]]
-        targets = np.add.reduceat(mask, offsets[:-1], dtype=np.int64) - mask[offsets[:-1]]
-        width = 2 if dpo else 1  # a unit is one example, or one (chosen, rejected) pair
-        self.prefix = shared_prefixes(data) if dpo and prefix_sharing else None  # (U,) tokens computed once
-        self.lengths = seqlens.reshape(-1, width).sum(1)        # (U,) tokens per unit, as computed
-        if self.prefix is not None:
-            self.lengths -= self.prefix
-        self.targets = targets.reshape(-1, width).sum(1)        # (U,) target tokens per unit
-        too_long = np.flatnonzero(self.lengths > microbatch_tokens)
-        if too_long.size:
-            u, what = int(too_long[0]), "pair" if dpo else "example"
-            raise ValueError(f"{what} {u} has {int(self.lengths[u])} tokens, over microbatch_tokens="
-                             f"{microbatch_tokens} ({too_long.size} such); raise microbatch_tokens to at least "
-                             f"{int(self.lengths.max())} or re-prepare the data with a smaller max length")
+        self.rank, self.world_size, self.seed, self.group_size = rank, world_size, seed, group_size
+        self.prefix = shared_prefixes(data, group_size) if group_size > 1 and prefix_sharing else None
+        self.lengths = unit_lengths(data, group_size, self.prefix)  # (U,) tokens per unit, as computed
+        self.targets = target_counts(data).reshape(-1, group_size).sum(1)  # (U,) target tokens per unit
         self.steps_per_epoch = -(-len(self.lengths) // batch_size)
         self.epoch, self.step = 0, 0
         self._perm_epoch, self._perm = None, None
@@ -268,42 +281,25 @@ class PackedLoader:
             self._perm_epoch = epoch
         return self._perm[step * self.batch_size:(step + 1) * self.batch_size]
 
-    def split(self, units):
-        """Longest first to the rank with the fewest tokens so far (ties: lowest rank); the same
-        on every rank since it only reads the global step. Returns a list of units per rank."""
-        lengths = self.lengths[units]
-        heap = [(0, r) for r in range(self.world_size)]
-        shares = [[] for _ in range(self.world_size)]
-        for k in np.argsort(-lengths, kind="stable").tolist():
-            tokens, r = heapq.heappop(heap)
-            shares[r].append(int(units[k]))
-            heapq.heappush(heap, (tokens + int(lengths[k]), r))
-        return shares
-
     def __next__(self):
         if self.step >= self.steps_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
-        epoch, step = self.epoch, self.step
-        units = self.step_units(epoch, step)
-        shares = self.split(units)
-        # Every rank packs every share (a few ms) to learn how many micro-batches the busiest rank has.
-        bins = [[[share[i] for i in b] for b in pack(self.lengths[share], self.microbatch_tokens)]
-                if share else [] for share in shares]
-        n_micro = max(len(b) for b in bins)
-        own = bins[self.rank] + [[]] * (n_micro - len(bins[self.rank]))  # [] = filler
-        micro = [make_batch(self.data, b, self.dpo, self.prefix) for b in own]
+        units = self.step_units(self.epoch, self.step)
+        bins = rank_bins(units, self.lengths, self.microbatch_tokens, self.rank, self.world_size)
         self.step += 1
-        return Step(microbatches=micro, num_examples=len(units) * (2 if self.dpo else 1),
-                    num_pairs=len(units) if self.dpo else 0, num_target_tokens=int(self.targets[units].sum()),
-                    epoch=epoch, step=step, state=self.state_dict())
+        grouped = self.group_size > 1
+        return Step(microbatches=[make_batch(self.data, b, self.group_size, self.prefix) for b in bins],
+                    num_examples=len(units) * self.group_size, num_groups=len(units) if grouped else 0,
+                    num_target_tokens=int(self.targets[units].sum()), units=units, state=self.state_dict())
 
     def state_dict(self):
         return dict(epoch=self.epoch, step=self.step, seed=self.seed, batch_size=self.batch_size,
-                    num_units=len(self.lengths), dpo=self.dpo)
+                    num_units=len(self.lengths), group_size=self.group_size)
 
     def load_state_dict(self, state):
         # world_size and microbatch_tokens may change on resume; what fixes the order may not.
-        for key in ("seed", "batch_size", "num_units", "dpo"):
+        state = dict(state, group_size=state.get("group_size", 2 if state.get("dpo") else 1))  # saved before groups
+        for key in ("seed", "batch_size", "num_units", "group_size"):
             if state[key] != self.state_dict()[key]:
                 raise ValueError(f"loader state has {key}={state[key]} but this loader has "
                                  f"{self.state_dict()[key]}; resume with the same data and {key}")

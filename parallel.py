@@ -1,9 +1,10 @@
 """
-Processes and devices: torchrun's ranks (or one plain process), printing once, summing metrics over ranks,
+Processes and devices: torchrun's ranks (or one plain process), printing (and failing) once, sums over ranks,
 the DDP / FSDP2 wrap, gradient sync on a step's last micro-batch only, and the precision a run computes in.
 """
 import datetime
 import os
+import time
 from contextlib import nullcontext
 
 import torch
@@ -42,6 +43,14 @@ def is_master():
 def print0(*args, **kwargs):
     if is_master():
         print(*args, **kwargs, flush=True)
+
+
+def fail(message):
+    """Exit with message, printed once: by rank 0, while the other ranks wait for torchrun to stop them (were they to
+    exit first, torchrun could stop rank 0 before it prints)."""
+    if not is_master():
+        time.sleep(30)
+    raise SystemExit(message) from None
 
 
 def all_reduce_sum(values, device):

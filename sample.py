@@ -67,7 +67,7 @@ if __name__ == "__main__":
         ids = tok.render_prompt(messages)
         outs = generate(net, [ids], max_new_tokens, stop_ids=tok.stop_ids, num_samples=num_samples,
                         temperature=temperature, top_k=top_k or None, top_p=top_p)
-        return [tok.decode([t for t in out if t not in tok.stop_ids]) for out in outs]
+        return [tok.decode_reply(out) for out in outs]
 
     if prompt:
         for text in reply(messages + [{"role": "user", "content": prompt}]):

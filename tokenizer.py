@@ -129,6 +129,10 @@ class Tokenizer:
     def decode(self, ids):
         return self.enc.decode(list(ids), errors="replace")
 
+    def decode_reply(self, ids):
+        """A generated reply as text, without the stop token that ended it."""
+        return self.decode([t for t in ids if t not in self.stop_ids])
+
     # chats ----------------------------------------------------------------------------------------
     def render(self, messages, add_generation_prompt=False, trained_from=0):
         """[{"role", "content"}, ...] -> (ids, loss_mask), two lists of equal length; the assistant messages from

@@ -18,13 +18,14 @@ import time
 import torch
 
 import common
-import dpo
 import data.arithmetic as builtin_task
 from checkpoint import export_hf, save_checkpoint
 from configurator import configure
+from losses import LOSS_TYPES, STATS, dpo_loss, pair_stats
 from metrics import MetricsLogger, Throughput, Timer, format_eta
-from packing import shared_prefixes
-from parallel import print0, sync_gradients, teardown_distributed
+from packing import shared_prefixes, target_counts
+from parallel import fail, print0, sync_gradients, teardown_distributed
+from reference import Reference, cache_key, split_logps
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
@@ -56,26 +57,46 @@ reference = "auto"  # 'cached': log-probs computed once, kept on disk; 'live': a
 # policy with its LoRA adapters switched off (no copy, no cache); 'auto': adapters_off with LoRA, else cached
 prefix_sharing = True  # a pair's shared prompt is computed once (prompt | chosen | rejected), not twice: same numbers
 # the run's machinery, as in train_sft.py (see there what each key does)
-lora_rank, lora_alpha, lora_dropout, quantize_base = 0, None, 0.0, ""
+lora_rank = 0
+lora_alpha = None
+lora_dropout = 0.0
 lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-seed, device, dtype, compile, activation_checkpointing, parallel = 1337, "auto", "auto", "auto", False, "ddp"
-log_interval, eval_examples, val_fraction = 10, 200, 0.01
+quantize_base = ""
+seed = 1337
+device = "auto"
+dtype = "auto"
+compile = "auto"
+activation_checkpointing = False
+parallel = "ddp"
+log_interval = 10
 eval_interval = 16  # evaluate (val loss, reward accuracy; built-in: accuracy, style) and checkpoint; 0 = at the end
-max_bad_steps, overwrite, dist_timeout = 3, False, 300
-wandb_log, wandb_project, wandb_run_name = False, "nanopack", "dpo"
+eval_examples = 200
+val_fraction = 0.01
+max_bad_steps = 3
+overwrite = False
+dist_timeout = 300
+wandb_log = False
+wandb_project = "nanopack"
+wandb_run_name = "dpo"
 # Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
 # the Zephyr and Tulu DPO recipes train 7-8B models with lr 5e-7 and beta 0.1; the toy values above (lr 2e-4,
 # beta 2) drive a real model to loss 0 and silence within a few steps
-config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0), kind="dpo",
-                   choices=dict(loss_type=dpo.LOSS_TYPES, reference=("auto", "cached", "live", "adapters_off")))
+config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0), rules=dict(
+    common.RULES, loss_type=LOSS_TYPES, reference=("auto", "cached", "live", "adapters_off"), beta="(0, inf)",
+    label_smoothing="[0, 0.5)", sft_weight="[0, inf)"))
+if label_smoothing and loss_type in ("ipo", "hinge"):
+    fail(f"config error: label_smoothing={label_smoothing}; it must be 0 for ipo and hinge")
+if reference == "adapters_off" and not lora_rank:
+    fail("config error: reference='adapters_off'; 'adapters_off' is the base model under the adapters: it needs "
+         "lora_rank > 0")
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "dpo", builtin_sizes=dict(n_train=2048, n_val=200))  # built-in: 64 steps of 32 pairs
 model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.optimizer, run.loader, run.device
 iter_num, max_iters, world_size = run.start_iter, run.max_iters, run.world_size
-reference_mode = "none" if loss_type == "simpo" else (reference if reference != "auto" else
-                                                        "adapters_off" if lora_rank else "cached")
-print0(f"DPO: {loss_type} loss, beta {beta}, reference {reference_mode}")
+ref_mode = "none" if loss_type == "simpo" else (reference if reference != "auto" else
+                                                "adapters_off" if lora_rank else "cached")
+print0(f"DPO: {loss_type} loss, beta {beta}, reference {ref_mode}")
 if loader.prefix is not None:  # what computing each shared prompt once saves, over the train split
     print0(f"prefix sharing: {(loader.prefix > 0).sum():,} of {len(loader.prefix):,} pairs share a prefix (mean "
            f"{loader.prefix.mean():.1f} tokens): {int(run.train_data['offsets'][-1]):,} -> {loader.lengths.sum():,} "
@@ -85,29 +106,30 @@ logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config
 
 # ---- reference log-probs: computed once from the initial weights (or a live frozen copy of them)
 t_ref = time.perf_counter()
-ref_key = run.saved.get("ref_key") or dpo.reference_key(run, seed)
+ref_key = run.saved.get("ref_key") or cache_key(run)
 val_prefix = shared_prefixes(run.val_data) if prefix_sharing else None  # the train split's: loader.prefix
-ref = dpo.reference(reference_mode, run, config, ref_key, val_prefix)
+ref = Reference.build(ref_mode, run, ref_key, val_prefix)
 ref_cache_seconds = time.perf_counter() - t_ref
-lengths_train, lengths_val = dpo.response_lengths(run.train_data, device), dpo.response_lengths(run.val_data, device)
-chosen_targets = lengths_train[:, 0].cpu().numpy()  # step normaliser for sft_weight, read on the host
+targets_train, targets_val = (torch.tensor(target_counts(d).reshape(-1, 2), dtype=torch.float32, device=device)
+                              for d in (run.train_data, run.val_data))  # (P, 2): what dpo_norm, ipo, simpo divide by
+chosen_targets = targets_train[:, 0].cpu().numpy()  # step normaliser for sft_weight, read on the host
 
 
 def microbatch_loss(mb, num_pairs, num_chosen_targets):
-    """This micro-batch's share of the step loss: its pairs' summed losses / the step's global number of pairs
-    (+ sft_weight * its chosen responses' NLL / the step's global chosen target tokens). Times world_size because
-    DDP and FSDP average gradients over ranks, and we want their sum. Returns (loss, pair_stats: dict)."""
+    """-> (this micro-batch's share of the step loss, to backpropagate: its pairs' summed losses / the step's global
+    number of pairs (+ sft_weight * its chosen responses' NLL / the step's global chosen target tokens), times
+    world_size because DDP and FSDP average gradients over ranks and we want their sum; its pair_stats, for the log)."""
     with run.autocast:
         logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
     pc, pr = mb.pair_sums(logps)  # (P,) each: one index_add_ over sequence ids
     rc, rr = ref(mb)
-    lens = lengths_train[mb.units]
-    losses, rewards_c, rewards_r = dpo.dpo_loss(pc, pr, rc, rr, lens[:, 0], lens[:, 1], loss_type, beta,
-                                                label_smoothing, gamma)
+    lens = targets_train[mb.units]
+    losses, rewards_c, rewards_r = dpo_loss(pc, pr, rc, rr, lens[:, 0], lens[:, 1], loss_type, beta, label_smoothing,
+                                            gamma)
     loss = losses.sum() / num_pairs
     if sft_weight:
         loss = loss - sft_weight * pc.sum() / num_chosen_targets
-    return loss * world_size, dpo.pair_stats(losses, rewards_c, rewards_r, pc, pr)
+    return loss * world_size, pair_stats(losses, rewards_c, rewards_r, pc, pr)
 
 
 @torch.no_grad()
@@ -115,12 +137,12 @@ def evaluate():
     """Val preference loss, reward accuracy and margin over the whole val split, and exact-match accuracy on
     the built-in task; printed and logged."""
     out = {}
-    if len(lengths_val):
-        policy = dpo.split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix)
-        losses, rewards_c, rewards_r = dpo.dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
-                                                    lengths_val[:, 0], lengths_val[:, 1], loss_type, beta,
-                                                    label_smoothing, gamma)
-        val_loss = losses.mean() - sft_weight * policy[:, 0].sum() / lengths_val[:, 0].sum()
+    if len(targets_val):
+        policy = split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix)
+        losses, rewards_c, rewards_r = dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
+                                                targets_val[:, 0], targets_val[:, 1], loss_type, beta,
+                                                label_smoothing, gamma)
+        val_loss = losses.mean() - sft_weight * policy[:, 0].sum() / targets_val[:, 0].sum()
         out.update(val_loss=val_loss.item(), val_reward_accuracy=(rewards_c > rewards_r).float().mean().item(),
                    val_reward_margin=(rewards_c - rewards_r).mean().item())
     if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the preferred style
@@ -138,13 +160,32 @@ def evaluate():
     return out
 
 
+def log_window(elapsed, n_steps, grad_norm):
+    """The log line of the steps since the last one: means over their pairs on all ranks (stats_acc, pairs_window)."""
+    perf, sums = meter.read(elapsed, n_steps, [stats_acc[k].item() for k in STATS])  # global already
+    total = dict(zip(STATS, sums))
+    avg = {k: v / max(pairs_window, 1) for k, v in total.items()}  # means over the window's pairs
+    nll = -total["logps_chosen"] / max(chosen_targets_window, 1)  # the chosen responses' NLL per target token
+    eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
+    metrics = dict(iter=iter_num, **avg, reward_margin=avg["rewards_chosen"] - avg["rewards_rejected"], lr=lr,
+                   grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps, **perf,
+                   ref_cache_seconds=ref_cache_seconds)
+    metrics["loss"] = avg["loss"] + sft_weight * nll if pairs_window else float("nan")
+    if sft_weight:
+        metrics["nll_chosen"] = nll
+    print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | reward acc "
+           f"{100 * avg['reward_accuracy']:.1f}% | margin {metrics['reward_margin']:.3f} | lr {lr:.2e} | "
+           f"grad norm {metrics['grad_norm']:.2f} | {meter.line(metrics)} | eta {format_eta(eta)}")
+    logger.log(metrics)
+
+
 # ---- the loop
 results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
 before = run.saved.get("before", {k: v for k, v in results.items() if k in ("val_accuracy", "val_preferred")})
 timer = Timer(device)
 # tokens, padding, FLOPs since the last log line; a reference computed per step adds a forward (1/3 of fwd+bwd)
-meter = Throughput(raw_model, device, world_size, flops_factor=1.0 if reference_mode in ("cached", "none") else 4 / 3)
-zeros = lambda: {k: torch.zeros((), device=device, dtype=torch.float64) for k in dpo.STATS}
+meter = Throughput(raw_model, device, world_size, flops_factor=1.0 if ref_mode in ("cached", "none") else 4 / 3)
+zeros = lambda: {k: torch.zeros((), device=device, dtype=torch.float64) for k in STATS}
 stats_acc = zeros()  # pair_stats summed since the last log line
 pairs_window = chosen_targets_window = 0
 eval_seconds = train_seconds = 0.0  # evaluation inside a log window is not training time
@@ -153,47 +194,35 @@ while iter_num < max_iters:
     lr = common.set_lr(optimizer, common.lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
     step = next(loader)
-    num_chosen_targets = int(chosen_targets[loader.step_units(step.epoch, step.step)].sum())  # global, like num_pairs
+    num_chosen_targets = int(chosen_targets[step.units].sum())  # global, like step.num_groups
     mbs = [mb.to(device) for mb in step.microbatches]
     meter.count(step.microbatches, data_time=time.perf_counter() - t0)
     step_stats, step_loss = zeros(), torch.zeros((), device=device, dtype=torch.float64)
     for i, mb in enumerate(mbs):
         with sync_gradients(model, enabled=i == len(mbs) - 1):
-            loss, stats = microbatch_loss(mb, step.num_pairs, num_chosen_targets)
+            loss, stats = microbatch_loss(mb, step.num_groups, num_chosen_targets)
             loss.backward()
-        step_loss += loss.detach()
-        for k in dpo.STATS:
+        step_loss += loss.detach() / world_size  # this rank's part of the step's loss
+        for k in STATS:
             step_stats[k] += stats[k]
-    grad_norm, updated, stopping = run.optimizer_step(step_loss, grad_clip, iter_num + 1)
+    grad_norm = common.clip_grad_norm(model, grad_clip)
+    update, stopping = run.guard.check(step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
+    if update:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     iter_num += 1
-    if updated:  # a skipped step's statistics are NaN or infinite: counted in skipped_steps, not averaged in
-        for k in dpo.STATS:
+    if update:  # a skipped step's statistics are NaN or infinite: counted in skipped_steps, not averaged in
+        for k in STATS:
             stats_acc[k] += step_stats[k]
-        pairs_window += step.num_pairs
+        pairs_window += step.num_groups
         chosen_targets_window += num_chosen_targets
 
     last = iter_num == max_iters
     if iter_num % log_interval == 0 or last or stopping:  # a stop logs its partial window: no step goes unlogged
         elapsed = timer.lap() - eval_seconds
         eval_seconds, train_seconds = 0.0, train_seconds + elapsed
-        n_steps, last_log_iter = iter_num - last_log_iter, iter_num
-        perf, sums = meter.read(elapsed, n_steps, [stats_acc[k].item() for k in dpo.STATS])  # global already
-        total = dict(zip(dpo.STATS, sums))
-        avg = {k: v / max(pairs_window, 1) for k, v in total.items()}  # means over the window's pairs
-        nll = -total["logps_chosen"] / max(chosen_targets_window, 1)  # the chosen responses' NLL per target token
-        eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
-        metrics = dict(iter=iter_num, **avg, reward_margin=avg["rewards_chosen"] - avg["rewards_rejected"], lr=lr,
-                       grad_norm=grad_norm, skipped_steps=run.skipped_steps, **perf,
-                       ref_cache_seconds=ref_cache_seconds)
-        metrics["loss"] = avg["loss"] + sft_weight * nll if pairs_window else float("nan")
-        if sft_weight:
-            metrics["nll_chosen"] = nll
-        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | reward acc "
-               f"{100 * avg['reward_accuracy']:.1f}% | margin {metrics['reward_margin']:.3f} | lr {lr:.2e} | "
-               f"grad norm {grad_norm:.2f} | {meter.line(metrics)} | eta {format_eta(eta)}")
-        logger.log(metrics)
-        stats_acc = zeros()
-        pairs_window = chosen_targets_window = 0
+        log_window(elapsed, iter_num - last_log_iter, grad_norm)
+        last_log_iter, stats_acc, pairs_window, chosen_targets_window = iter_num, zeros(), 0, 0
     saved = dict(ref_key=ref_key, before=before)
     if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
         save_checkpoint(run, iter_num, step.state, config, extra=saved)

@@ -11,7 +11,7 @@ KV cache, every prompt prefilled once, scores them with `reward`, and trains on 
 for its whole group: prompt | reply 1 | ... | reply k, every reply attending to the prompt through the key stream.
 loss='grpo': each reply's group-normalised advantage on each of its tokens, over the step's reply tokens, PPO's
 clipped ratio when a batch makes more than one update, and kl_coef times a KL estimate to the initial model;
-'online_dpo': each group's best and worst reply become a DPO pair (dpo.py's loss), the reference computed on the fly.
+'online_dpo': each group's best and worst reply become a DPO pair (losses.py), the reference computed on the fly.
 Replies are drawn from generators seeded by (seed, step, prompt, reply): a step's samples do not depend on the world
 size, and a resumed run draws what the straight run drew.
 Data: the built-in task's hard split, or records {"messages": [prompt turns]} or {"prompt": str | [messages]} (JSONL,
@@ -30,15 +30,15 @@ import numpy as np
 import torch
 
 import common
-import dpo
-import data.arithmetic as builtin_task
 from checkpoint import export_hf, save_checkpoint
-from configurator import configure, one_line
-from data.prepare import DataError, as_messages, data_files, read_records
+from configurator import configure
+from data.dataset import read_prompts
 from generate import generate
+from losses import dpo_loss, group_advantages, policy_loss
 from metrics import MetricsLogger, Throughput, Timer, format_eta
-from packing import group_data, make_batch, pack, shared_prefixes
-from parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
+from packing import group_data, make_batch, rank_bins, shared_prefixes, unit_lengths
+from parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
+from reference import Reference
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
@@ -68,16 +68,30 @@ warmup_iters = 5
 weight_decay = 0.0
 grad_clip = 1.0
 # the run's machinery, as in train_sft.py (see there what each key does)
-lora_rank, lora_alpha, lora_dropout, quantize_base = 0, None, 0.0, ""
+lora_rank = 0
+lora_alpha = None
+lora_dropout = 0.0
 lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-seed, device, dtype, compile, activation_checkpointing, parallel = 1337, "auto", "auto", "auto", False, "ddp"
+quantize_base = ""
+seed = 1337
+device = "auto"
+dtype = "auto"
+compile = "auto"
+activation_checkpointing = False
+parallel = "ddp"
 eval_examples = 200
 eval_interval = 10  # evaluate (greedy replies to held-out prompts: reward, accuracy) and checkpoint; 0 = at the end
-max_bad_steps, overwrite, dist_timeout = 3, False, 300
-wandb_log, wandb_project, wandb_run_name = False, "nanopack", "rl"
+max_bad_steps = 3
+overwrite = False
+dist_timeout = 300
+wandb_log = False
+wandb_project = "nanopack"
+wandb_run_name = "rl"
 # Starting from a pretrained model, keys not set explicitly take these instead (TRL's GRPO default rate)
-config = configure(globals(), finetune=dict(learning_rate=1e-6, min_lr=1e-7), kind="rl",
-                   choices=dict(loss=("grpo", "online_dpo")))
+config = configure(globals(), finetune=dict(learning_rate=1e-6, min_lr=1e-7), rules=dict(
+    common.RULES, loss=("grpo", "online_dpo"), k="[2, inf)", prompts_per_step="[1, inf)", temperature="(0, inf)",
+    top_p="(0, 1]", max_new_tokens="[1, inf)", beta="(0, inf)", kl_coef="[0, inf)", clip_eps="(0, inf)",
+    updates_per_batch="[1, inf)", max_iters="[1, inf)"))
 # -----------------------------------------------------------------------------
 
 
@@ -88,8 +102,8 @@ def load_reward(spec):
     try:
         return getattr(importlib.import_module(module), name)
     except (ImportError, AttributeError, ValueError) as e:
-        one_line(f"config error: reward={spec!r}: {e}; name a function (prompt, reply, **fields) -> float as "
-                 f"'module:function', the module importable from here (e.g. my_rewards.py in this folder)")
+        fail(f"config error: reward={spec!r}: {e}; name a function (prompt, reply, **fields) -> float as "
+             f"'module:function', the module importable from here (e.g. my_rewards.py in this folder)")
 
 
 reward_fn = load_reward(reward)
@@ -99,45 +113,27 @@ iter_num, max_iters, world_size, rank = run.start_iter, run.max_iters, run.world
 sync_ranks = parallel == "fsdp" and world_size > 1  # FSDP2: every forward of generation is a collective
 
 
-def read_prompts(source, n):
-    """-> [(prompt token ids, prompt messages, reward fields, where)], the first n (None: all)."""
-    if source == "builtin":
-        split, seed_ = ("val", 0) if n else ("train", 0)
-        found = [(p, dict(answer=a), f"builtin:{split}:{i}")
-                 for i, (p, a) in enumerate(builtin_task.rl_prompts(split, n or 2000, seed_, hard=True))]
-    else:
-        found = []
-        try:
-            for where, record in read_records(data_files(source), verbose=False):
-                field = "messages" if "messages" in record else "prompt"
-                messages = as_messages(record.get(field), field, "user", where)
-                if messages[-1]["role"] != "user":
-                    raise DataError(f"{where}: '{field}' ends with a {messages[-1]['role']} turn — a prompt ends "
-                                    f"with the user's turn, the reply is the model's")
-                found.append((messages, {k: v for k, v in record.items() if k != field}, where))
-                if n and len(found) == n:
-                    break
-        except (ValueError, OSError) as e:
-            one_line(f"data error: {e}")
-    out = [(tok.render_prompt(m), m, fields, where) for m, fields, where in found]
-    for ids, _, _, where in out:
-        group = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
-        if len(ids) + max_new_tokens > raw_model.config.max_seq_len or group > microbatch_tokens:
-            one_line(f"data error: {where}: the prompt has {len(ids)} tokens: with max_new_tokens={max_new_tokens} "
-                     f"and k={k} its group needs up to {group} tokens, its replies {len(ids) + max_new_tokens} "
-                     f"positions (microbatch_tokens={microbatch_tokens}, max_seq_len="
-                     f"{raw_model.config.max_seq_len}); raise microbatch_tokens, or shorten the prompt")
-    return out
+def fits(ids, where):
+    """A prompt's group must fit one micro-batch and its replies the model's positions, whatever they sample."""
+    group = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
+    if len(ids) + max_new_tokens > raw_model.config.max_seq_len or group > microbatch_tokens:
+        fail(f"data error: {where}: the prompt has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and k={k} "
+             f"its group needs up to {group} tokens, its replies {len(ids) + max_new_tokens} positions "
+             f"(microbatch_tokens={microbatch_tokens}, max_seq_len={raw_model.config.max_seq_len}); raise "
+             f"microbatch_tokens, or shorten the prompt")
 
 
-train_prompts = read_prompts(data, None)
-val_prompts = read_prompts(val_data or data, eval_examples) if eval_examples and (val_data or data == "builtin") else []
+try:
+    train_prompts = read_prompts(data, None, tok, fits)
+    val_prompts = read_prompts(val_data or data, eval_examples, tok, fits) if eval_examples and (
+        val_data or data == "builtin") else []
+except SystemExit as e:
+    fail(e.code)
 print0(f"RL: {loss} loss, {len(train_prompts)} train prompts, {prompts_per_step} x {k} replies per step, reward "
        f"{reward}, {len(val_prompts)} held-out prompts")
 logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
                        resume_iter=iter_num if init_from == "resume" else None)
-ref = dpo.model_reference("adapters_off" if lora_rank else "live", run, seed, parallel) if (
-    loss == "online_dpo" or kl_coef) else None
+ref = Reference.of_model("adapters_off" if lora_rank else "live", run) if loss == "online_dpo" or kl_coef else None
 
 
 @lru_cache(maxsize=2)
@@ -151,7 +147,7 @@ def score(prompts, replies, num_samples):
     out = []
     for i, reply in enumerate(replies):
         _, messages, fields, where = prompts[i // num_samples]
-        text = tok.decode([t for t in reply if t not in tok.stop_ids])
+        text = tok.decode_reply(reply)
         try:
             value = float(reward_fn(messages, text, **fields))
         except Exception as e:
@@ -185,28 +181,27 @@ def training_batches(prompts, replies, rewards):
     if loss == "grpo":
         keep = [g for g in range(len(prompts)) if kl_coef or rewards[g].std() > 0]
         groups, size = [replies[g] for g in keep], k
-        advantages = dpo.group_advantages(rewards)[keep].flatten().float().to(device)
+        advantages = group_advantages(rewards)[keep].flatten().float().to(device)
     else:  # online_dpo: the best and the worst reply of each group whose rewards differ
         keep = [g for g in range(len(prompts)) if rewards[g].max() > rewards[g].min()]
         groups = [[replies[g][rewards[g].argmax()], replies[g][rewards[g].argmin()]] for g in keep]
         size, advantages = 2, None
     data = group_data([prompts[g][0] for g in keep], groups)
     prefix = shared_prefixes(data, size) if prefix_sharing else None
-    lengths = np.diff(data["offsets"]).reshape(-1, size).sum(1) - (0 if prefix is None else (size - 1) * prefix)
-    bins = pack(lengths, microbatch_tokens) if len(keep) else []
-    n_micro = torch.tensor(len(bins), device=device)
-    if world_size > 1:
-        torch.distributed.all_reduce(n_micro, op=torch.distributed.ReduceOp.MAX)
-    bins += [[]] * (n_micro.item() - len(bins))  # [] a filler: every rank runs as many forwards
-    mbs = [make_batch(data, b, dpo=True, prefix=prefix, group_size=size) for b in bins]
+    bins = rank_bins(np.arange(len(keep)), unit_lengths(data, size, prefix), microbatch_tokens)
+    n_forwards = torch.tensor(len(bins), device=device)
+    if world_size > 1:  # each rank's groups are its own: the busiest rank's count, found by one collective
+        torch.distributed.all_reduce(n_forwards, op=torch.distributed.ReduceOp.MAX)
+    mbs = [make_batch(data, b, size, prefix) for b in bins + [[]] * (n_forwards.item() - len(bins))]
     count = sum(mb.num_target_tokens for mb in mbs) if loss == "grpo" else len(keep)
     normaliser, trained = all_reduce_sum([count, len(keep)], device)
     return mbs, size, advantages, normaliser, trained, int(np.diff(data["offsets"]).sum())
 
 
 def microbatch_loss(mb, size, advantages, normaliser, old):
-    """This micro-batch's share of the step loss (times world_size: DDP and FSDP average gradients over ranks).
-    old: per micro-batch state kept over a batch's updates (the sampling policy's and the reference's log-probs)."""
+    """This micro-batch's share of the step loss, to backpropagate (times world_size: DDP and FSDP average gradients
+    over ranks). old: per micro-batch state kept over a batch's updates (the sampling policy's and the reference's
+    log-probs)."""
     with run.autocast:
         logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
     if "ref" not in old:
@@ -214,11 +209,11 @@ def microbatch_loss(mb, size, advantages, normaliser, old):
         old["policy"] = logps.detach()
     if loss == "grpo":
         seqs = (mb.units[:, None] * size + torch.arange(size, device=device)).flatten()  # the batch's replies
-        losses = dpo.policy_loss(logps, old["policy"], advantages[seqs][mb.seq_ids], clip_eps, old["ref"], kl_coef)
+        losses = policy_loss(logps, old["policy"], advantages[seqs][mb.seq_ids], clip_eps, old["ref"], kl_coef)
     else:
         pc, pr = mb.pair_sums(logps)
         rc, rr = mb.pair_sums(old["ref"])
-        losses, _, _ = dpo.dpo_loss(pc, pr, rc, rr, None, None, "sigmoid", beta)
+        losses, _, _ = dpo_loss(pc, pr, rc, rr, None, None, "sigmoid", beta)
     return losses.sum() * world_size / normaliser
 
 
@@ -242,7 +237,25 @@ def evaluate():
     return out
 
 
-# ---- the loop: every step is logged (it takes seconds)
+def log_step(step_loss, rewards, replies, trained, unshared, gen_s, train_s, grad_norm):
+    """Every step's log line (a step takes seconds): its loss, the rewards of its samples on all ranks, its speed."""
+    flat = rewards.flatten()
+    perf, (loss_sum, r_sum, r2_sum, right, n, reply_tokens, unshared) = meter.read(train_s, 1, [
+        step_loss.item(), flat.sum().item(), (flat ** 2).sum().item(), (flat >= 1).sum().item(), len(flat),
+        sum(len(r) for group in replies for r in group), unshared])
+    mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
+    metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=math.sqrt(max(r2_sum / n - mean ** 2, 0)),
+                   accuracy=right / n, reply_tokens=reply_tokens / n, groups_trained=trained, gen_ms=1000 * gen_s,
+                   train_ms=1000 * train_s, tokens_unshared=unshared, lr=lr, grad_norm=grad_norm.item(),
+                   skipped_steps=run.guard.skipped_steps, **perf)
+    print0(f"iter {iter_num}/{max_iters} | loss {loss_sum:.4f} | reward {mean:.3f} | accuracy "
+           f"{100 * metrics['accuracy']:.1f}% | groups {trained:.0f} | gen {1000 * gen_s:.0f} ms | train "
+           f"{1000 * train_s:.0f} ms | tokens {perf['tokens']:,.0f} (unshared {unshared:,.0f}) | eta {format_eta(eta)}")
+    logger.log(metrics)
+
+
+# ---- the loop: every step is logged
+
 results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
 before = run.saved.get("before", results)
 timer = Timer(device)
@@ -261,27 +274,18 @@ while iter_num < max_iters:
         step_loss = torch.zeros((), device=device, dtype=torch.float64)
         for i, (mb, old) in enumerate(zip(mbs, states)):
             with sync_gradients(model, enabled=i == len(mbs) - 1):
-                mb_loss = microbatch_loss(mb, size, advantages, normaliser, old)
+                mb_loss = microbatch_loss(mb, size, advantages, normaliser, old)  # `loss` is the config key
                 mb_loss.backward()
-            step_loss += mb_loss.detach() / world_size
-        grad_norm, updated, stop = run.optimizer_step(step_loss, grad_clip, iter_num + 1)
+            step_loss += mb_loss.detach() / world_size  # this rank's part of the step's loss
+        grad_norm = common.clip_grad_norm(model, grad_clip)
+        update, stop = run.guard.check(step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
+        if update:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
         stopping |= stop
     iter_num += 1
     train_s = timer.lap() - gen_s
-
-    flat = rewards.flatten()
-    perf, (loss_sum, r_sum, r2_sum, right, n, reply_tokens, unshared) = meter.read(train_s, 1, [
-        step_loss.item(), flat.sum().item(), (flat ** 2).sum().item(), (flat >= 1).sum().item(), len(flat),
-        sum(len(r) for group in replies for r in group), unshared])
-    mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
-    metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=math.sqrt(max(r2_sum / n - mean ** 2, 0)),
-                   accuracy=right / n, reply_tokens=reply_tokens / n, groups_trained=trained, gen_ms=1000 * gen_s,
-                   train_ms=1000 * train_s, tokens_unshared=unshared, lr=lr, grad_norm=grad_norm,
-                   skipped_steps=run.skipped_steps, **perf)
-    print0(f"iter {iter_num}/{max_iters} | loss {loss_sum:.4f} | reward {mean:.3f} | accuracy "
-           f"{100 * metrics['accuracy']:.1f}% | groups {trained:.0f} | gen {1000 * gen_s:.0f} ms | train "
-           f"{1000 * train_s:.0f} ms | tokens {perf['tokens']:,.0f} (unshared {unshared:,.0f}) | eta {format_eta(eta)}")
-    logger.log(metrics)
+    log_step(step_loss, rewards, replies, trained, unshared, gen_s, train_s, grad_norm)
     last = iter_num == max_iters
     if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
         save_checkpoint(run, iter_num, {}, config, extra=dict(before=before))

@@ -20,7 +20,7 @@ import data.arithmetic as builtin_task
 from checkpoint import export_hf, save_checkpoint
 from configurator import configure
 from metrics import MetricsLogger, Throughput, Timer, format_eta
-from packing import make_batch, pack
+from packing import IGNORE_INDEX, make_batch, rank_bins
 from parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
 
 # -----------------------------------------------------------------------------
@@ -71,7 +71,7 @@ wandb_run_name = "sft"
 # Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
 # published SFT recipes for 0.1-8B models use AdamW with ~1e-5-2e-5 and cosine decay (Tulu 3, Zephyr, SmolLM2)
 config = configure(globals(), finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20, weight_decay=0.0,
-                                            max_iters=0, epochs=2.0), kind="sft")
+                                            max_iters=0, epochs=2.0), rules=common.RULES)
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "sft")
@@ -82,15 +82,16 @@ logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config
 
 
 def microbatch_loss(mb, normaliser):
-    """This micro-batch's share of the step loss: its summed (weighted) token loss / the step's global normaliser.
-    Times world_size because DDP and FSDP average gradients over ranks, and we want their sum."""
+    """-> (this micro-batch's share of the step loss, to backpropagate: its summed (weighted) token loss / the step's
+    global normaliser, times world_size because DDP and FSDP average gradients over ranks and we want their sum;
+    its summed token loss, for the log)."""
     weights = None
     if loss_weighting == "sequence":  # each example counts once: its target tokens share weight 1
-        per_seq = mb.sequence_sums((mb.targets != -100).float()).clamp(min=1.0)
+        per_seq = mb.sequence_sums((mb.targets != IGNORE_INDEX).float()).clamp(min=1.0)
         weights = 1.0 / torch.cat([per_seq, per_seq.new_ones(1)])[mb.seq_ids]  # + 1: a filler's slot
     with run.autocast:
         loss_sum, _ = model(**mb.inputs(), loss_weights=weights)
-    return loss_sum, loss_sum * world_size / normaliser
+    return loss_sum * world_size / normaliser, loss_sum.detach()
 
 
 @torch.no_grad()
@@ -99,17 +100,16 @@ def evaluate():
     printed and logged. Every rank runs the same number of forwards (FSDP's all-gathers are collectives)."""
     model.eval()
     out = {}
-    bins = pack(np.diff(np.asarray(run.val_data["offsets"])), microbatch_tokens)
+    lengths = np.diff(np.asarray(run.val_data["offsets"]))
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     n_targets = 0
-    for j in range(run.rank, -(-len(bins) // world_size) * world_size, world_size):
-        # past the end of the bins: a filler forward with no targets, so this rank keeps step with the others
-        mb = make_batch(run.val_data, bins[j] if j < len(bins) else [])
+    for units in rank_bins(np.arange(len(lengths)), lengths, microbatch_tokens, run.rank, world_size):
+        mb = make_batch(run.val_data, units)
         n_targets += mb.num_target_tokens
         mb = mb.to(device)
         with run.autocast:
             loss_sum += model(**mb.inputs())[0]
-    if bins:  # an empty val split has no loss (setup said so), rather than a loss of 0
+    if len(lengths):  # an empty val split has no loss (setup said so), rather than a loss of 0
         total_loss, total_targets = all_reduce_sum([loss_sum.item(), n_targets], device)
         out["val_loss"] = total_loss / max(total_targets, 1)
     if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the plain style
@@ -139,16 +139,21 @@ while iter_num < max_iters:
     normaliser = step.num_examples if loss_weighting == "sequence" else step.num_target_tokens
     mbs = [mb.to(device) for mb in step.microbatches]
     meter.count(step.microbatches, data_time=time.perf_counter() - t0)
-    step_loss = torch.zeros((), device=device, dtype=torch.float64)
+    step_loss, step_loss_sum = (torch.zeros((), device=device, dtype=torch.float64) for _ in range(2))
     for i, mb in enumerate(mbs):
         with sync_gradients(model, enabled=i == len(mbs) - 1):
-            loss_sum, loss = microbatch_loss(mb, normaliser)
+            loss, loss_sum = microbatch_loss(mb, normaliser)
             loss.backward()
-        step_loss += loss_sum.detach()
-    grad_norm, updated, stopping = run.optimizer_step(step_loss, grad_clip, iter_num + 1)
+        step_loss += loss.detach() / world_size  # this rank's part of the step's loss
+        step_loss_sum += loss_sum
+    grad_norm = common.clip_grad_norm(model, grad_clip)
+    update, stopping = run.guard.check(step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
+    if update:
+        optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
     iter_num += 1
-    if updated:  # a skipped step's loss is NaN or infinite: it is counted in skipped_steps, not averaged in
-        loss_acc += step_loss
+    if update:  # a skipped step's loss is NaN or infinite: it is counted in skipped_steps, not averaged in
+        loss_acc += step_loss_sum
         normaliser_window += normaliser
 
     last = iter_num == max_iters
@@ -159,9 +164,9 @@ while iter_num < max_iters:
         perf, (loss_total,) = meter.read(elapsed, n_steps, [loss_acc.item()])  # normaliser_window is global already
         eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
         metrics = dict(iter=iter_num, loss=loss_total / normaliser_window if normaliser_window else float("nan"), lr=lr,
-                       grad_norm=grad_norm, skipped_steps=run.skipped_steps, **perf)
-        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | lr {lr:.2e} | grad norm {grad_norm:.2f} | "
-               f"{meter.line(metrics)} | eta {format_eta(eta)}")
+                       grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps, **perf)
+        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | lr {lr:.2e} | grad norm "
+               f"{metrics['grad_norm']:.2f} | {meter.line(metrics)} | eta {format_eta(eta)}")
         logger.log(metrics)
         loss_acc.zero_()
         normaliser_window = 0

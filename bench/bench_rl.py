@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data.arithmetic as arithmetic  # noqa: E402
-from dpo import policy_loss  # noqa: E402
+from losses import policy_loss  # noqa: E402
 from model import Transformer, config_from_preset  # noqa: E402
 from packing import group_data, make_batch, shared_prefixes  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
@@ -70,7 +70,7 @@ def main():
     for name, (prompts, replies) in cases(args.groups, args.k, model.config.vocab_size).items():
         data = group_data(prompts, replies)
         layouts = {"shared prompt": shared_prefixes(data, args.k), "own copy each": None}
-        mbs = {n: make_batch(data, range(len(prompts)), dpo=True, prefix=p, group_size=args.k)
+        mbs = {n: make_batch(data, range(len(prompts)), group_size=args.k, prefix=p)
                for n, p in layouts.items()}
         advantages = torch.randn(len(prompts) * args.k)
         times = {n: [] for n in mbs}

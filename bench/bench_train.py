@@ -175,7 +175,7 @@ def padded_batch(data, units, dpo):
     sequence's real tokens inside its own segment (causal, so it never changes a real token's result)."""
     import torch
     from packing import IGNORE_INDEX, PackedBatch, make_batch
-    mb = make_batch(data, units, dpo=dpo)
+    mb = make_batch(data, units, 2 if dpo else 1)
     flat = make_batch(data, sequences(mb, dpo))  # the same sequences, one target slot per position
     lens = np.diff(flat.cu_seqlens.numpy())
     n, L = len(lens), int(lens.max())
@@ -185,7 +185,7 @@ def padded_batch(data, units, dpo):
         input_ids=grid(0, flat.input_ids), targets=grid(IGNORE_INDEX, flat.targets), target_rows=None,
         position_ids=torch.arange(L).repeat(n), seq_ids=torch.arange(n).repeat_interleave(L),
         cu_seqlens=torch.arange(0, n * L + 1, L, dtype=torch.int32), max_seqlen=L, kv=None, units=mb.units,
-        num_sequences=n, num_pairs=mb.num_pairs, num_tokens=mb.num_tokens, num_target_tokens=mb.num_target_tokens,
+        num_sequences=n, num_groups=mb.num_groups, num_tokens=mb.num_tokens, num_target_tokens=mb.num_target_tokens,
         num_padding=n * L - mb.num_tokens)
 
 
@@ -279,7 +279,7 @@ def run_config(name, args):
         from packing import make_batch
         out = []
         for units in step:
-            mb = padded_batch(data, units, dpo) if name in ("padded", "hf") else make_batch(data, units, dpo, prefix)
+            mb = padded_batch(data, units, dpo) if name in ("padded", "hf") else make_batch(data, units, 2 if dpo else 1, prefix)
             if name.endswith("static"):
                 mb = pad_batch(mb, args.microbatch_tokens)
             lens = np.diff(data["offsets"])[sequences(mb, dpo)]
@@ -333,7 +333,7 @@ def run_config(name, args):
                 profiler = torch.profiler.profile(activities=activities)
                 profiler.start()
             t0 = time.perf_counter()
-        normaliser = sum(mb.num_pairs for mb, _ in mbs) if dpo else sum(mb.num_target_tokens for mb, _ in mbs)
+        normaliser = sum(mb.num_groups for mb, _ in mbs) if dpo else sum(mb.num_target_tokens for mb, _ in mbs)
         loss = 0.0
         for mb, lens in mbs:
             mb_loss = microbatch_loss(mb, lens, normaliser, ref)

@@ -166,7 +166,7 @@ def evaluate(model, tok, n, autocast, sync_ranks):
     with autocast:
         replies = generate(model, [tok.render_prompt(p) for p, _ in problems], max_new_tokens=16,
                            stop_ids=tok.stop_ids, sync_ranks=sync_ranks)
-    texts = [tok.decode([t for t in r if t not in tok.stop_ids]) for r in replies]
+    texts = [tok.decode_reply(r) for r in replies]
     counts = torch.tensor([sum(score(ans, t) for (_, ans), t in zip(problems, texts)), sum(map(preferred, texts)),
                            len(problems)], dtype=torch.float64, device=next(model.parameters()).device)
     if dist.is_initialized():

@@ -383,14 +383,18 @@ def peek_kind(path, data_split=None):
     raise DataError(f"{path}: no examples found — is the file empty?")
 
 
-def load(data_dir, split):
-    """-> (data, meta): data = {"ids", "offsets", "loss_mask"} as read-only memory maps, the dict
-    packing.py takes; meta is meta.json (kind, tokenizer, template, eos_id, counts, ...)."""
+def read_meta(data_dir):
+    """A prepared folder's meta.json (kind, tokenizer, template, counts, ...): written last, so complete."""
     if not os.path.exists(os.path.join(data_dir, "meta.json")):
         raise FileNotFoundError(f"{data_dir}: no meta.json, so no complete prepared data here — "
                                 f"run python data/prepare.py --input <file.jsonl> --out_dir {data_dir}")
     with open(os.path.join(data_dir, "meta.json")) as f:
-        meta = json.load(f)
+        return json.load(f)
+
+
+def load(data_dir, split):
+    """-> (data, meta): data = {"ids", "offsets", "loss_mask"} as read-only memory maps, the dict packing.py takes."""
+    meta = read_meta(data_dir)
     data = {key: np.load(os.path.join(data_dir, f"{split}_{name}.npy"), mmap_mode="r")
             for key, name in (("ids", "ids"), ("offsets", "offsets"), ("loss_mask", "mask"))}
     return data, meta

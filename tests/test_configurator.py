@@ -1,5 +1,10 @@
+import re
+import subprocess
+import sys
+
 import pytest
 
+from conftest import ROOT
 from configurator import ConfigError, apply_overrides, configure
 
 
@@ -22,10 +27,12 @@ def test_overrides_files_then_arguments(tmp_path):
     (["--batch_size=3.5"], "batch_size=3.5 is of type float, but batch_size must be of type int"),
     (["--compile=1"], "compile=1 is of type int, but compile must be of type bool"),
     (["--batch_size"], "write --key=value"),
-    (["no_such_file.py"], "config file 'no_such_file.py' cannot be read"),
+    (["no_such_file.py"], "argument 'no_such_file.py': no such config file (a .py file), and not --key=value"),
+    (["chats.jsonl"], "argument 'chats.jsonl': a config file is a .py file that exists; is it data? pass "
+                      "--data=chats.jsonl"),
 ])
 def test_mistakes_are_one_clear_message(argv, message):
-    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(ConfigError, match=re.escape(message)):
         apply_overrides(defaults(), argv)
     with pytest.raises(SystemExit, match="config error"):
         configure(defaults(), argv)
@@ -51,10 +58,26 @@ def test_a_pretrained_start_gets_fine_tuning_values_unless_set(tmp_path, capsys)
         assert configure(defaults(), [f"--init_from={start}"], finetune=finetune)["learning_rate"] == 3e-4
 
 
-def test_a_lora_setting_without_lora_rank_is_refused():
-    """lora_alpha / lora_dropout / lora_targets mean nothing at lora_rank=0: refused in one line, not ignored."""
-    cfg = lambda: dict(defaults(), lora_rank=0, lora_alpha=None, lora_dropout=0.0, lora_targets="q_proj")
-    with pytest.raises(SystemExit, match=r"lora_dropout=0.1 is set but lora_rank=0 .* set lora_rank"):
-        configure(cfg(), ["--lora_dropout=0.1"])
-    assert configure(cfg(), ["--lora_dropout=0.1", "--lora_rank=8"])["lora_dropout"] == 0.1
-    assert configure(cfg(), ["--batch_size=4"])["batch_size"] == 4
+def test_rules_bools_and_strings_as_typed():
+    """--compile=true is True (not a crash), --compile=maybe a choice error, a number for a string key its text."""
+    cfg = lambda: dict(compile="auto", run_name="x", lr=0.1, min_lr=0.0)
+    rules = dict(compile=("auto", True, False), lr="(0, inf)", min_lr="[0, lr]")
+    assert configure(cfg(), ["--compile=true", "--run_name=123"], rules=rules) == dict(cfg(), compile=True,
+                                                                                      run_name="123")
+    for argv, message in ((["--compile=maybe"], "compile='maybe'; choose one of auto, True, False"),
+                          (["--lr=0"], "lr=0.0; it must be a finite number greater than 0"),
+                          (["--min_lr=0.5"], "min_lr=0.5; it must be in [0, lr] (lr=0.1)")):
+        with pytest.raises(SystemExit, match=re.escape(f"config error: {message}")):
+            configure(cfg(), argv, rules=rules)
+
+
+@pytest.mark.parametrize("script", ["train_sft.py", "train_dpo.py", "train_rl.py", "sample.py"])
+def test_help_lists_every_key_with_its_default_and_comment(script):
+    out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and not out.stderr, out.stderr
+    keys = [line.split("=")[0].strip() for line in out.stdout.splitlines() if line.startswith("  --")]
+    assert "--seed" in keys and len(keys) == len(set(keys)) >= 10
+    assert ("--max_new_tokens" in keys) == (script in ("train_rl.py", "sample.py"))
+    if script == "train_sft.py":
+        assert "  --batch_size=32  # examples per optimizer step, all ranks together" in out.stdout
+        assert "  # LoRA (0 = full fine-tuning)" in out.stdout  # a comment of the block, as written

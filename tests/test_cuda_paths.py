@@ -90,7 +90,7 @@ def test_cuda_branch_prefix_shared(monkeypatch, kind, kw):
     model = M.Transformer(M.config_from_preset("tiny", vocab_size=VOCAB, **kw)).to(torch.bfloat16)
     spec = CASES["mixed with unshared pairs"] + CASES["prompt longer than responses"]
     data = pairs_data(spec)
-    mb = make_batch(data, range(len(spec)), dpo=True, prefix=shared_prefixes(data))
+    mb = make_batch(data, range(len(spec)), group_size=2, prefix=shared_prefixes(data))
     calls = []
     monkeypatch.setattr(M, "flash_attn_varlen_func" if kind == "flash_attn" else "varlen_attn",
                         stand_in(kind, model.config, calls, shared=True))

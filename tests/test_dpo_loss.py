@@ -1,4 +1,4 @@
-"""dpo.py without running train_dpo.py: each loss type against numbers worked out by hand, reward accuracy per
+"""losses.py without running train_dpo.py: each loss type against numbers worked out by hand, reward accuracy per
 pair, response lengths, and packed == padded for the per-sequence log-probs, the loss and the gradients."""
 
 import math
@@ -9,9 +9,9 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from dpo import dpo_loss, pair_stats, response_lengths
+from losses import dpo_loss, pair_stats
 from model import Transformer, config_from_preset
-from packing import make_batch, shared_prefixes
+from packing import make_batch, shared_prefixes, target_counts
 
 # Two pairs of fixed sequence log-prob sums, and response lengths in tokens.
 PC, PR = [-10.0, -20.0], [-12.0, -18.0]  # policy chosen, rejected
@@ -126,12 +126,12 @@ def test_packed_equals_padded_logps_loss_and_gradients(monkeypatch, shared):
     net = Transformer(config_from_preset("tiny"))
     data = preference_data(np.random.default_rng(0), n_pairs=5, vocab=500)
     pairs = [3, 0, 4, 1]  # packed in this order, not the data order
-    mb = make_batch(data, pairs, dpo=True, prefix=shared_prefixes(data) if shared else None)
+    mb = make_batch(data, pairs, group_size=2, prefix=shared_prefixes(data) if shared else None)
     assert (mb.kv is not None) == shared  # the pairs do share prompts
     ref = torch.randn(len(pairs), 2) - 30.0  # any fixed reference log-probs
     lengths = torch.tensor([[float(data["loss_mask"][data["offsets"][e]:data["offsets"][e + 1]][1:].sum())
                              for e in (2 * p, 2 * p + 1)] for p in pairs])
-    assert torch.equal(response_lengths(data, "cpu")[pairs], lengths)  # what train_dpo.py divides by
+    assert torch.equal(torch.tensor(target_counts(data).reshape(-1, 2), dtype=torch.float32)[pairs], lengths)
 
     def loss_from(pc, pr):
         losses, _, _ = dpo_loss(pc, pr, ref[:, 0], ref[:, 1], lengths[:, 0], lengths[:, 1], "sigmoid", 0.1, 0.1)

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import kernels
 import model as M
-from dpo import split_logps
+from reference import split_logps
 from packing import group_data, make_batch, pack, shared_prefixes
 
 VOCAB = 300
@@ -93,7 +93,7 @@ def test_group_layout_equals_whole_and_alone(monkeypatch, k, shape, model_kw):
     advantages = torch.randn(3, k)
     runs = {}
     for name, p in (("shared", prefix), ("whole", None)):
-        mb = make_batch(data, groups, dpo=True, prefix=p, group_size=k)
+        mb = make_batch(data, groups, group_size=k, prefix=p)
         sums = mb.group_sums(net(**mb.inputs(), logprobs=True), k)  # (3, k), row i = group groups[i]
         runs[name] = (sums.detach(), loss_and_grads(net, sums, advantages))
         if name == "shared":  # the shared tokens really are computed once

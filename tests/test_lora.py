@@ -166,10 +166,19 @@ def test_merged_and_peft_exports_load_with_equal_logits(tmp_path):
 
 
 def test_unknown_targets_are_named_with_the_layers_that_exist():
-    model = Transformer(config_from_preset("tiny"))
-    with pytest.raises(ValueError, match="no layer is called 'mlp', 'qproj'; a block's linear layers are q_proj, k_"):
-        lora.add_adapters(model, RANK, ALPHA, targets=("q_proj", "qproj", "mlp"))
-    assert not lora.adapted(model) and all(p.requires_grad for p in model.parameters())  # nothing changed
+    c = dict(lora_rank=RANK, lora_alpha=None, lora_dropout=0.0, lora_targets="q_proj,qproj,mlp", quantize_base="")
+    with pytest.raises(ValueError, match="no layer is called 'qproj', 'mlp'; a block's linear layers are q_proj,k_"):
+        lora.check_settings(c)
+    lora.check_settings(dict(c, lora_targets="q_proj,v_proj"))
+
+
+def test_a_lora_setting_without_lora_rank_is_refused():
+    """lora_alpha / lora_dropout / lora_targets mean nothing at lora_rank=0: refused in one line, not ignored."""
+    c = dict(lora_rank=0, lora_alpha=None, lora_dropout=0.1, lora_targets=",".join(lora.TARGETS), quantize_base="")
+    with pytest.raises(ValueError, match=r"lora_dropout=0.1; it is set but lora_rank=0 .* set lora_rank"):
+        lora.check_settings(c)
+    lora.check_settings(dict(c, lora_rank=8))
+    lora.check_settings(dict(c, lora_dropout=0.0))
 
 
 def test_quantize_base_without_torchao_says_how_to_install(monkeypatch):

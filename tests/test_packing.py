@@ -161,8 +161,8 @@ def test_dpo_layout_targets_and_pair_sums(shared):
     rng = np.random.default_rng(4)
     pairs = rng.permutation(40)[:9]
     prefix = shared_prefixes(data)
-    mb = make_batch(data, pairs, dpo=True, prefix=prefix if shared else None)
-    assert mb.num_pairs == 9 and mb.num_sequences == 18
+    mb = make_batch(data, pairs, group_size=2, prefix=prefix if shared else None)
+    assert mb.num_groups == 9 and mb.num_sequences == 18
     examples = [e for p in pairs for e in (2 * p, 2 * p + 1)]
     assert mb.units.tolist() == pairs.tolist()
     assert mb.num_tokens == int(np.diff(offsets)[examples].sum() - shared * prefix[pairs].sum())
@@ -299,15 +299,15 @@ def test_loader_more_ranks_than_examples_gets_fillers():
 
 def test_loader_dpo_keeps_pairs_together():
     data = make_dpo_data(50, seed=9)
-    steps, loaders = loader_steps(data, 2, 7, batch_size=8, microbatch_tokens=200, seed=2, dpo=True)
+    steps, loaders = loader_steps(data, 2, 7, batch_size=8, microbatch_tokens=200, seed=2, group_size=2)
     assert len(loaders[0]) == 7  # 50 pairs / 8 = 6 full + 1 partial
     seen = []
     for st in steps:
-        assert st[0].num_pairs == sum(mb.num_pairs for s in st for mb in s.microbatches)
-        assert st[0].num_examples == 2 * st[0].num_pairs
+        assert st[0].num_groups == sum(mb.num_groups for s in st for mb in s.microbatches)
+        assert st[0].num_examples == 2 * st[0].num_groups
         for s in st:
             for mb in s.microbatches:
-                assert mb.num_sequences == 2 * mb.num_pairs == 2 * len(mb.units)
+                assert mb.num_sequences == 2 * mb.num_groups == 2 * len(mb.units)
                 seen += mb.units.tolist()
     assert sorted(seen) == list(range(50))
 
@@ -327,4 +327,4 @@ def test_loader_rejects_too_long_example():
         PackedLoader(data, batch_size=2, microbatch_tokens=256)
     dpo = make_dpo_data(4)
     with pytest.raises(ValueError, match="pair 0 has .* raise microbatch_tokens"):
-        PackedLoader(dpo, batch_size=2, microbatch_tokens=8, dpo=True)
+        PackedLoader(dpo, batch_size=2, microbatch_tokens=8, group_size=2)

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import kernels
 import model as M
-from dpo import dpo_loss
+from losses import dpo_loss
 from packing import make_batch, shared_prefixes
 
 VOCAB = 300
@@ -94,7 +94,7 @@ def test_shared_equals_whole_and_alone(monkeypatch, case, model_kw):
     pairs = list(range(len(CASES[case])))[::-1]  # not the data order
     runs = {}
     for name, prefix in (("shared", shared_prefixes(data)), ("whole", None)):
-        mb = make_batch(data, pairs, dpo=True, prefix=prefix)
+        mb = make_batch(data, pairs, group_size=2, prefix=prefix)
         pc, pr = mb.pair_sums(net(**mb.inputs(), logprobs=True))
         runs[name] = (torch.stack([pc, pr]).detach(), *loss_and_grads(net, pc, pr))
         if name == "shared":  # the prompt really is computed once
@@ -126,8 +126,8 @@ def test_flops_count_the_shared_layout():
     of (query, key) actually scored, which for a rejected rest of R queries over P + R keys is R (2P + R) / 2."""
     net = M.Transformer(M.config_from_preset("tiny", vocab_size=VOCAB))
     data = pairs_data([(40, 3, 5)])
-    shared = make_batch(data, [0], dpo=True, prefix=shared_prefixes(data))
-    whole = make_batch(data, [0], dpo=True)
+    shared = make_batch(data, [0], group_size=2, prefix=shared_prefixes(data))
+    whole = make_batch(data, [0], group_size=2)
     cfg = net.config
     per_layer_pair = 6 * cfg.n_head * cfg.head_dim  # fwd + bwd FLOPs per (query, key) pair scored, causal halved
 

@@ -173,7 +173,7 @@ BAD = [  # (script, arguments, what the one line must say)
     ("train_sft.py", "--batch_size=None", "batch_size=None is of type NoneType, but batch_size must be of type int"),
     ("train_sft.py", "--max_iters=True", "max_iters=True is of type bool, but max_iters must be of type int"),
     ("train_sft.py", "--seed=-1", "config error: seed=-1; it must be in [0, 2**32)"),
-    ("train_sft.py", "--min_lr=0.1", "config error: min_lr=0.1; it must not exceed learning_rate=0.005"),
+    ("train_sft.py", "--min_lr=0.1", "config error: min_lr=0.1; it must be in [0, learning_rate] (learning_rate=0.005)"),
     ("train_sft.py", "--dtype=fp16", "dtype='fp16'; choose one of auto, bfloat16, float32; float16 needs loss scaling"),
     ("train_sft.py", "--loss_weighting=tokens", "loss_weighting='tokens'; choose one of token, sequence"),
     ("train_sft.py", "--parallel=zero", "parallel='zero'; choose one of ddp, fsdp"),

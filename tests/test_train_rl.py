@@ -22,7 +22,7 @@ import torch
 import kernels
 import model as M
 from conftest import ROOT, as_args, checkpoint_weights, run_script, step_metrics
-from dpo import dpo_loss, group_advantages, policy_loss
+from losses import dpo_loss, group_advantages, policy_loss
 from packing import group_data, make_batch, shared_prefixes
 from test_groups import MODELS, SHAPES, assert_close_runs, make_groups
 
@@ -65,7 +65,7 @@ def test_grpo_and_online_dpo_losses_equal_each_reply_alone(monkeypatch, k, shape
                    for i, (lp, old, ref) in enumerate(zip(logps, alone_old, alone_ref))) / n_tokens
 
     def grpo_packed(prefix):
-        mb = make_batch(data, groups, dpo=True, prefix=prefix, group_size=k)
+        mb = make_batch(data, groups, group_size=k, prefix=prefix)
         seqs = (mb.units[:, None] * k + torch.arange(k)).flatten()  # the batch's sequences, in batch order
         old, ref = torch.cat([alone_old[s] for s in seqs]), torch.cat([alone_ref[s] for s in seqs])
         logps = net(**mb.inputs(), logprobs=True)
@@ -89,7 +89,7 @@ def test_grpo_and_online_dpo_losses_equal_each_reply_alone(monkeypatch, k, shape
     expected = grads(grpo_alone())
     for prefix in (shared_prefixes(data, k), None):
         assert_close_runs(grads(grpo_packed(prefix)), expected)
-        mb = make_batch(data, groups, dpo=True, prefix=prefix, group_size=k)
+        mb = make_batch(data, groups, group_size=k, prefix=prefix)
         sums = mb.group_sums(net(**mb.inputs(), logprobs=True), k)[torch.tensor(groups).argsort()]
         alone = torch.stack([lp.sum() for lp in token_logps_alone(net, data)]).view(3, k)
         assert_close_runs(grads(online_dpo(sums)), grads(online_dpo(alone)))

@@ -1,0 +1,131 @@
+"""
+The data a run trains on, set up the same way by every script: records (data/prepare.py) or the built-in task
+(data/arithmetic.py) tokenized once into out_dir/data by rank 0, or a folder data/prepare.py wrote; its kind checked
+before anything is tokenized, its lengths against the model and the micro-batch; RL's prompt records.
+"""
+import os
+
+import numpy as np
+import torch.distributed as dist
+
+from data.arithmetic import prepare_builtin, rl_prompts
+from data.prepare import DataError, as_messages, data_files, load, peek_kind, prepare, read_meta, read_records
+from packing import shared_prefixes, unit_lengths
+from parallel import is_master, print0
+
+NEEDS = dict(sft="messages", dpo="chosen/rejected pairs")
+
+
+def prepared(data):
+    return data != "builtin" and os.path.isfile(os.path.join(data, "meta.json"))
+
+
+def check_kind(data, data_split, val_data, kind):
+    """SFT data for train_sft.py, pairs for train_dpo.py, found before anything is tokenized: the first record of raw
+    records, or a prepared folder's meta.json. A mistake is a SystemExit line."""
+    try:
+        if data == "builtin" or prepared(data):
+            if data_split or val_data:
+                key, value = ("data_split", data_split) if data_split else ("val_data", val_data)
+                raise SystemExit(f"config error: {key}={value!r}; it picks raw records; this data is 'builtin' or "
+                                 f"already prepared")
+            found, where = kind if data == "builtin" else read_meta(data).get("kind"), data
+        else:
+            found, where = peek_kind(data, data_split)
+            val_data and data_files(val_data)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"data error: {e}") from None
+    if found != kind:
+        raise SystemExit(f"data error: {where} is {str(found).upper()} data but train_{kind}.py trains {kind.upper()} "
+                         f"({NEEDS[kind]}); use train_{found}.py for it")
+
+
+def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
+    """-> the folder of token files for c["data"]. 'builtin' and records are tokenized into out_dir/data by rank 0 while
+    the others wait; a folder written by data/prepare.py is used as it is. A sequence longer than the model's
+    positions is handled as one longer than max_len (`overlong`), so its line is named."""
+    if prepared(c["data"]):
+        return c["data"]
+    data_dir = os.path.join(out_dir, "data")
+    if is_master():
+        try:
+            if c["data"] == "builtin":
+                prepare_builtin(data_dir, tokenizer=tok, kind=kind, **(builtin_sizes or {}))
+            else:
+                prepare(c["data"], data_dir, tokenizer=tok, max_len=min(c["max_len"], max_seq_len),
+                        overlong=c["overlong"], val_fraction=c["val_fraction"], seed=c["seed"],
+                        data_split=c["data_split"], val_input=c["val_data"])
+        except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
+            capped = c["max_len"] > max_seq_len and "max_len" in str(e)
+            raise SystemExit(f"data error: {e}" + f" (max_len is capped at the model's max_seq_len={max_seq_len}: it "
+                             f"has no positions beyond)" * capped) from None
+    if dist.is_initialized():
+        dist.barrier()
+    return data_dir
+
+
+def load_data(data_dir, tok):
+    """-> (train, val) token data of a prepared folder, tokenized with the run's tokenizer."""
+    train, meta = load(data_dir, "train")
+    if meta.get("tokenizer") != tok.name:
+        raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, this run uses "
+                         f"{tok.name!r}; prepare it again with the run's tokenizer")
+    return train, load(data_dir, "val")[0]
+
+
+def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix_sharing=False):
+    """Data the model cannot take, found at load time rather than iterations later: a tokenizer larger than the
+    embedding table, a sequence longer than the model's positions, a unit (an example, a pair or group with its shared
+    prompt computed once) longer than one micro-batch."""
+    if tok.vocab_size > model_config.vocab_size:
+        raise SystemExit(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_config.vocab_size} "
+                         f"embeddings; use the model's own tokenizer (--tokenizer=<its folder>)")
+    for split, data in splits.items():
+        seq_lengths = np.diff(np.asarray(data["offsets"]))
+        if not len(seq_lengths):
+            if split == "train":
+                raise SystemExit(f"{data_dir} has no train examples; check the data (or lower val_fraction)")
+            print0(f"note: {data_dir} has no val examples: evaluation reports no val loss (a small file? raise "
+                   f"val_fraction)")
+            continue
+        i = int(seq_lengths.argmax())
+        if seq_lengths[i] > model_config.max_seq_len:
+            raise SystemExit(f"{data_dir}: {split} sequence {i} has {seq_lengths[i]} tokens, more than the model's "
+                             f"max_seq_len={model_config.max_seq_len} positions; prepare the data with "
+                             f"--max_len={model_config.max_seq_len} (and --overlong=truncate or skip)")
+        prefix = shared_prefixes(data, group_size) if prefix_sharing and group_size > 1 else None
+        lengths = unit_lengths(data, group_size, prefix)
+        if lengths.max() > budget:
+            what = {1: "example", 2: "pair (chosen + rejected)"}.get(group_size, "group")
+            raise SystemExit(f"{data_dir}: the longest {split} {what} ({int(lengths.argmax())}) has {lengths.max()} "
+                             f"tokens{' with its prompt once' * (prefix is not None)}, more than microbatch_tokens="
+                             f"{budget}; raise microbatch_tokens to at least {lengths.max()}, or prepare the data "
+                             f"with a smaller --max_len")
+
+
+def read_prompts(source, n, tok, limit):
+    """RL prompts -> [(prompt token ids, prompt messages, reward fields, where)], the first n (None: all). source:
+    'builtin' (the hard split: val when n is given, else train) or records {"messages"} / {"prompt"} with any other
+    fields for the reward. limit(ids, where) checks a prompt's length."""
+    if source == "builtin":
+        split = "val" if n else "train"
+        found = [(p, dict(answer=a), f"builtin:{split}:{i}")
+                 for i, (p, a) in enumerate(rl_prompts(split, n or 2000, 0, hard=True))]
+    else:
+        found = []
+        try:
+            for where, record in read_records(data_files(source), verbose=False):
+                field = "messages" if "messages" in record else "prompt"
+                messages = as_messages(record.get(field), field, "user", where)
+                if messages[-1]["role"] != "user":
+                    raise DataError(f"{where}: '{field}' ends with a {messages[-1]['role']} turn — a prompt ends "
+                                    f"with the user's turn, the reply is the model's")
+                found.append((messages, {k: v for k, v in record.items() if k != field}, where))
+                if n and len(found) == n:
+                    break
+        except (ValueError, OSError) as e:
+            raise SystemExit(f"data error: {e}") from None
+    prompts = [(tok.render_prompt(m), m, fields, where) for m, fields, where in found]
+    for ids, _, _, where in prompts:
+        limit(ids, where)
+    return prompts

@@ -1,0 +1,64 @@
+"""
+The losses on log-probs, pure functions of tensors (tests/test_dpo_loss.py, tests/test_train_rl.py):
+  dpo_loss          the DPO family: sigmoid (DPO), ipo, hinge, dpo_norm, simpo (train_dpo.py; online DPO in train_rl.py)
+  group_advantages  GRPO's group-normalised rewards of k replies per prompt
+  policy_loss       GRPO's per-token clipped policy loss (+ a KL estimate to a reference)
+  pair_stats        named per-pair statistics (rewards, reward accuracy, log-probs), summed, for exact means
+
+A pair p is sequences 2p (chosen) and 2p+1 (rejected) of the data; a packed micro-batch holds whole pairs, and
+mb.pair_sums(per-target values) gives (chosen (P,), rejected (P,)) with one index_add_ over sequence ids.
+"""
+import torch
+import torch.nn.functional as F
+
+LOSS_TYPES = ("sigmoid", "ipo", "hinge", "dpo_norm", "simpo")
+STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "logps_chosen", "logps_rejected")
+
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, len_chosen, len_rejected,
+             loss_type, beta, label_smoothing=0.0, gamma=0.0):
+    """Per-pair losses (P,) and rewards (chosen (P,), rejected (P,)) from per-sequence log-prob sums of the
+    policy and the reference, and the response lengths in target tokens. Rewards are beta * (policy - reference),
+    on log-probs per response token for ipo (TRL's convention), dpo_norm and simpo, and on the policy alone
+    for simpo, which has no reference."""
+    pc, pr, rc, rr = policy_chosen, policy_rejected, ref_chosen, ref_rejected
+    if loss_type in ("ipo", "dpo_norm", "simpo"):
+        pc, pr, rc, rr = pc / len_chosen, pr / len_rejected, rc / len_chosen, rr / len_rejected
+    if loss_type == "simpo":
+        rc, rr = torch.zeros_like(rc), torch.zeros_like(rr)
+    h = (pc - rc) - (pr - rr)  # how much more than the reference the policy prefers chosen over rejected
+    if loss_type == "ipo":
+        losses = (h - 1 / (2 * beta)) ** 2
+    elif loss_type == "hinge":
+        losses = torch.relu(1 - beta * h)
+    else:  # sigmoid, dpo_norm, simpo: logistic, with a margin gamma for simpo
+        z = beta * h - (gamma if loss_type == "simpo" else 0.0)
+        losses = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
+    return losses, beta * (pc - rc).detach(), beta * (pr - rr).detach()
+
+
+def group_advantages(rewards):
+    """(G, k) rewards of k replies per prompt -> GRPO's advantages: each reward less its group's mean, over the group's
+    standard deviation (0 where all k are equal: such a group teaches nothing)."""
+    centred = rewards - rewards.mean(1, keepdim=True)
+    return centred / rewards.std(1, keepdim=True).clamp(min=1e-6)
+
+
+def policy_loss(logps, old_logps, advantages, clip_eps, ref_logps=None, kl_coef=0.0):
+    """Per-token losses (K,) of GRPO: PPO's clipped objective with each token's reply advantage, ratios to the policy
+    that sampled (old_logps; logps.detach() on a batch's first update, where the ratio is 1 and only its gradient
+    counts), plus kl_coef times the k3 estimate of KL(policy || reference) per token."""
+    ratio = torch.exp(logps - old_logps)
+    losses = -torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+    if kl_coef:
+        log_ratio = ref_logps - logps
+        losses = losses + kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
+    return losses
+
+
+def pair_stats(losses, rewards_chosen, rewards_rejected, policy_chosen, policy_rejected):
+    """Sums over pairs, by name (STATS); reward_accuracy counts the pairs whose chosen reward is the higher (a
+    per-pair comparison, not a comparison of mean rewards). Summed over steps and ranks, then divided."""
+    values = (losses, rewards_chosen, rewards_rejected, (rewards_chosen > rewards_rejected).float(), policy_chosen,
+              policy_rejected)
+    return {k: v.detach().sum() for k, v in zip(STATS, values)}

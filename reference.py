@@ -1,0 +1,139 @@
+"""
+The reference model's log-probs, for DPO's loss and RL's KL term and online DPO, in one of three ways:
+  cached        the initial model's log-prob sums of every pair, computed once before training (forward only) and kept
+                in out_dir/reference/<key>_{train,val}.npy, keyed by what they depend on: no second model in memory
+  live          a frozen copy of the initial weights, run on each micro-batch
+  adapters_off  the policy itself with its LoRA adapters switched off, on the same micro-batch: no copy, no cache
+split_logps gives the log-prob sums of a whole split (the cache, and the policy's at evaluation).
+"""
+import hashlib
+import json
+import os
+import time
+from contextlib import nullcontext
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from common import build_model
+from lora import adapters_disabled
+from packing import make_batch, rank_bins, unit_lengths
+from parallel import all_reduce_sum, print0
+
+
+@torch.no_grad()
+def split_logps(model, data, budget, device, autocast, prefix=None, group_size=2):
+    """(U, k) log-prob sums of every group of k sequences of a split (DPO pairs: [chosen, rejected]), forward only, the
+    same on every rank: each rank runs its share and the shares are summed over ranks. prefix: the split's
+    shared_prefixes(), each computed once (None: sequences laid out whole)."""
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    was_training = model.training
+    model.eval()
+    lengths = unit_lengths(data, group_size, prefix)
+    sums = torch.zeros(len(lengths), group_size, device=device)
+    for units in rank_bins(np.arange(len(lengths)), lengths, budget, rank, world_size):
+        mb = make_batch(data, units, group_size, prefix).to(device)
+        with autocast:
+            logps = model(**mb.inputs(), logprobs=True)
+        sums[mb.units] = mb.group_sums(logps, group_size)
+    if dist.is_initialized():
+        dist.all_reduce(sums)
+    model.train(was_training)
+    return sums
+
+
+class Reference:
+    """The reference's log-prob sums for the policy's micro-batches and the val split: looked up from (U, 2) tables
+    (cached; zeros for simpo, which has none), or computed on the same packed micro-batch by `model` (live, or the
+    policy under `switch`, adapters off)."""
+
+    def __init__(self, train=None, val=None, model=None, autocast=None, switch=nullcontext):
+        self.train, self.val, self.model, self.autocast, self.switch = train, val, model, autocast, switch
+
+    def __call__(self, mb):
+        """-> (chosen (P,), rejected (P,)) for the pairs of a training micro-batch."""
+        if self.model is None:
+            ref = self.train[mb.units]
+            return ref[:, 0], ref[:, 1]
+        return mb.pair_sums(self.logps(mb))
+
+    def logps(self, mb):
+        """The reference model's log-prob of each trained token of a micro-batch (K,) (not with cached tables)."""
+        with torch.no_grad(), self.autocast, self.switch():
+            return self.model(**mb.inputs(), logprobs=True)
+
+    @classmethod
+    def of_model(cls, mode, run):
+        """'live': a frozen copy of the initial weights (under FSDP2 sharded like the policy, so both compute in the
+        same precision); 'adapters_off': the policy without its adapters."""
+        if mode == "adapters_off":
+            return cls(model=run.model, autocast=run.autocast, switch=lambda: adapters_disabled(run.raw_model))
+        parallel = "fsdp" if run.config["parallel"] == "fsdp" else None  # no gradients: nothing for DDP to do
+        copy, _ = build_model(run.raw_model.config, run.start, run.config["seed"], run.device, parallel,
+                              run.world_size, getattr(torch, run.dtype))
+        return cls(model=copy.requires_grad_(False).eval(), autocast=run.autocast)
+
+    @classmethod
+    def build(cls, mode, run, key, val_prefix=None):
+        """The Reference of a DPO run: mode 'none' (simpo), 'cached', 'live' or 'adapters_off'. The train split's shared
+        prefixes are the loader's, the val split's val_prefix (None: no prefix sharing)."""
+        budget = 4 * run.config["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
+        logps = lambda model: (split_logps(model, run.train_data, budget, run.device, run.autocast, run.loader.prefix),
+                               split_logps(model, run.val_data, budget, run.device, run.autocast, val_prefix))
+        n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
+        if mode == "none":
+            return cls(torch.zeros(n_train, 2, device=run.device), torch.zeros(n_val, 2, device=run.device))
+        if mode in ("live", "adapters_off"):
+            ref = cls.of_model(mode, run)
+            with ref.switch():
+                ref.val = logps(ref.model)[1]
+            return ref
+        folder = os.path.join(run.out_dir, "reference")
+        paths = {split: os.path.join(folder, f"{key}_{split}.npy") for split in ("train", "val")}
+        key_path = os.path.join(folder, f"{key}.json")  # written last: its presence means complete
+        if all_reduce_sum([float(os.path.exists(key_path))], run.device)[0] == run.world_size:
+            print0(f"reference log-probs: loaded {key_path}")
+            return cls(*(torch.from_numpy(np.load(paths[s])).to(run.device) for s in ("train", "val")))
+        if run.start_iter:
+            raise SystemExit(f"{key_path} is missing: the reference log-probs of the run being resumed are gone, and "
+                             f"its checkpoint holds the trained weights, not the reference; start the run again")
+        t0 = time.perf_counter()
+        train, val = logps(run.model)  # the policy has not moved yet
+        seconds = time.perf_counter() - t0
+        if run.master:
+            os.makedirs(folder, exist_ok=True)
+            for split, values in (("train", train), ("val", val)):
+                np.save(paths[split] + ".tmp.npy", values.cpu().numpy())
+                os.replace(paths[split] + ".tmp.npy", paths[split])
+            with open(key_path, "w") as f:
+                json.dump(dict(key=key, reference=run.start, data_dir=run.data_dir, tokenizer=run.tok.name,
+                               template=run.tok.template_id, dtype=run.dtype, train_pairs=n_train, val_pairs=n_val,
+                               seconds=seconds), f, indent=2)
+        if dist.is_initialized():
+            dist.barrier()
+        tokens = int(run.loader.lengths.sum()) + int(unit_lengths(run.val_data, 2, val_prefix).sum())  # as computed
+        print0(f"reference log-probs: {n_train} train + {n_val} val pairs, {tokens:,} tokens in {seconds:.1f}s "
+               f"({tokens / seconds / run.world_size:,.0f} tok/s/gpu), saved as {key_path}")
+        return cls(train, val)
+
+
+def cache_key(run):
+    """What the cached log-probs depend on, hashed: the initial weights themselves (the bytes of the model folder's
+    config and safetensors, or the preset and seed: not a path, so new weights in the same folder miss the cache), the
+    token files of both splits, the tokenizer, template and dtype."""
+    scratch = run.start["init_from"] == "scratch"
+    h = hashlib.sha256(json.dumps(["nanopack-reference-v2", run.start, run.tok.name, run.tok.template_id, run.dtype,
+                                   run.config["seed"] if scratch else None,
+                                   torch.__version__ if scratch else None]).encode())
+    folder = run.start["init_from"]
+    if not scratch:
+        for name in sorted(os.listdir(folder)):
+            if name == "config.json" or name.endswith(".safetensors"):
+                with open(os.path.join(folder, name), "rb") as f:
+                    while chunk := f.read(1 << 24):
+                        h.update(chunk)
+    for split_data in (run.train_data, run.val_data):
+        for k in ("ids", "offsets", "loss_mask"):
+            h.update(np.ascontiguousarray(split_data[k]))
+    return h.hexdigest()[:16]
