@@ -62,17 +62,19 @@ class Run:
         all-reduce read by the host per step, which also makes every rank agree on a stop signal.
         -> (gradient norm, whether the update was made, whether to stop after this step)."""
         params = [p for p in self.model.parameters() if p.requires_grad]
+        trained = any(p.grad is not None for p in params)  # RL: none when every group's rewards were equal
         grad_norm = torch.nn.utils.clip_grad_norm_(params, grad_clip if grad_clip > 0 else float("inf"))
         grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm  # FSDP2: a DTensor
-        flags = torch.stack([~torch.isfinite(step_loss.float()) | ~torch.isfinite(grad_norm),
-                             torch.tensor(self.stop.name is not None, device=grad_norm.device)]).float()
+        bad = ~torch.isfinite(step_loss.float()) | ~torch.isfinite(grad_norm.to(step_loss.device))  # no grads: on CPU
+        flags = torch.cat([bad.view(1), torch.tensor([self.stop.name is not None, trained], device=bad.device)]).float()
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad, stop = flags.tolist()
+        bad, stop, trained = flags.tolist()
         if not bad:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
+        if trained:  # a step with nothing to train is no update: it neither counts as bad nor breaks a bad run
+            self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
         self.skipped_steps += int(bad)
         if bad:
             print0(f"iter {iter_num}: the loss or gradient norm is NaN or infinite: update skipped, weights "

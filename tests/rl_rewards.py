@@ -15,3 +15,9 @@ def raises(prompt, reply, **fields):
 
 def nan(prompt, reply, **fields):
     return float("nan")
+
+
+
+def many_characters(prompt, reply, **fields):
+    """1 for a reply of at least 5 distinct characters, else 0: a group of 2 replies often ties (nothing to learn)."""
+    return float(len(set(reply)) >= 5)
