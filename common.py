@@ -141,7 +141,7 @@ def setup(config, kind, builtin_sizes=None):
         model_config = initial_config(start, tok)
         data_dir = None if kind == "rl" else prepare_data(
             c["data"], c["out_dir"], tok, kind, c["max_len"], model_config.max_seq_len, c["overlong"], c["seed"],
-            c["val_fraction"], c["data_split"], c["val_data"], **(builtin_sizes or {}))
+            c["val_fraction"], c["data_split"], c["val_data"], c["val_split"], **(builtin_sizes or {}))
     train_data = val_data = loader = None
     if kind != "rl":
         train_data, val_data = load_data(data_dir, tok, kind)
@@ -258,7 +258,7 @@ def choose_tokenizer(tokenizer, init_from):
 
 
 def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed, val_fraction, data_split, val_data,
-                 **builtin):
+                 val_split, **builtin):
     """-> the folder of token files for `data`. 'builtin' and records (data/prepare.py) are tokenized into out_dir/data
     by rank 0 while the others wait; a folder written by data/prepare.py is used as it is. A sequence longer
     than the model's positions is handled as one longer than max_len (`overlong`), so its line is named."""
@@ -271,7 +271,8 @@ def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed,
                 prepare_builtin(data_dir, tokenizer=tok, kind=kind, **builtin)
             else:
                 prepare(data, data_dir, tokenizer=tok, max_len=min(max_len, max_seq_len), overlong=overlong,
-                        val_fraction=val_fraction, seed=seed, data_split=data_split, val_input=val_data)
+                        val_fraction=val_fraction, seed=seed, data_split=data_split, val_input=val_data,
+                        val_split=val_split)
         except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
             capped = f" (max_len is capped at the model's max_seq_len={max_seq_len}: it has no positions beyond)"
             raise SystemExit(f"data error: {e}{capped * (max_len > max_seq_len and 'max_len' in str(e))}") from None

@@ -26,8 +26,9 @@ from model import PRESETS
 from parallel import is_master
 from tokenizer import Tokenizer
 
-FIXED_ON_RESUME = ("data", "data_split", "val_data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong",
-                   "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize_base")
+FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer", "batch_size", "seed",
+                   "max_len", "overlong", "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+                   "quantize_base")
 
 
 class ConfigError(ValueError):
@@ -145,16 +146,18 @@ def check_config(c, kind, choices):
     if records and kind != "rl" and c["init_from"] != "resume":  # rl: train_rl.py reads its prompts itself
         try:  # records (JSONL, Parquet, a folder of shards, a glob): the first one says SFT or DPO, nothing tokenized
             found, where = peek_kind(c["data"], c["data_split"])
-            c["val_data"] and data_files(c["val_data"])
+            c["val_data"] and data_files(c["val_data"], c["val_split"], "val_split")
         except (ValueError, OSError) as e:
             raise SystemExit(f"data error: {e}") from None
         if found != kind:
             need = "chosen/rejected pairs" if kind == "dpo" else "messages"
             raise SystemExit(f"data error: {where} is {found.upper()} data but train_{kind}.py trains {kind.upper()} "
                              f"({need}); use train_{found}.py for it")
-    elif not records and kind != "rl" and (c["data_split"] or c["val_data"]):
+    elif not records and (c["data_split"] or (kind != "rl" and c["val_data"])):
         bad("data_split" if c["data_split"] else "val_data", "it picks raw records; this data is 'builtin' or "
             "already prepared")
+    if c["val_split"] and not c["val_data"]:
+        bad("val_split", "it picks a split of a val_data folder, and val_data is not set")
     try:  # can we write where the run will live? Better now than after an hour of training
         os.makedirs(c["out_dir"], exist_ok=True)
         with open(os.path.join(c["out_dir"], f".write_test_{os.getpid()}"), "w") as f:
