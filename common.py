@@ -74,21 +74,25 @@ class Run:
 class StepGuard:
     """Whether an update may be made: the step's loss and gradient norm finite on every rank, read with one small
     all-reduce per step, which also makes every rank agree on a stop signal. A non-finite update is skipped (the weights
-    do not change); max_bad_steps in a row stop the run."""
+    do not change); max_bad_steps in a row stop the run. A step that trained nothing (RL: every group's rewards equal)
+    is no update: it neither counts nor breaks a bad run."""
 
-    def __init__(self, max_bad_steps, ckpt_path):
-        self.max_bad_steps, self.ckpt_path = max_bad_steps, ckpt_path
+    def __init__(self, max_bad_steps, ckpt_path, model):
+        self.max_bad_steps, self.ckpt_path, self.model = max_bad_steps, ckpt_path, model
         self.stop = StopSignal()
         self.skipped_steps = self.bad_in_a_row = 0  # skipped_steps: this process's lifetime
 
     def check(self, loss, grad_norm, iter_num):
         """-> (whether to update, whether to stop after this step)."""
-        flags = torch.stack([~torch.isfinite(loss.float()) | ~torch.isfinite(grad_norm),
-                             torch.tensor(self.stop.name is not None, device=grad_norm.device)]).float()
+        trained = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
+        bad = ~torch.isfinite(loss.float()) | ~torch.isfinite(grad_norm.to(loss.device))  # no gradients: on the CPU
+        flags = torch.cat([bad.view(1), torch.tensor([self.stop.name is not None, trained], device=loss.device)])
+        flags = flags.float()
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
-        bad, stop = flags.tolist()
-        self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
+        bad, stop, trained = flags.tolist()
+        if trained:
+            self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
         self.skipped_steps += int(bad)
         if bad:
             print0(f"iter {iter_num}: the loss or gradient norm is NaN or infinite: update skipped, weights "
@@ -141,9 +145,9 @@ def check_run(c, kind):
                       "python train_dpo.py`"}.get(kind, "")
         fail(f"config error: init_from={c['init_from']!r}; it is neither 'scratch', 'resume' nor a Hugging Face model "
              f"folder (with a config.json){hint}")
-    if kind != "rl" and c["init_from"] != "resume":
+    if c["init_from"] != "resume":
         try:
-            check_kind(c["data"], c["data_split"], c["val_data"], kind)
+            check_kind(c["data"], c["data_split"], c["val_data"], c["val_split"], kind)
         except SystemExit as e:
             fail(e.code)
     try:  # can we write where the run will live? Better now than after an hour of training
@@ -229,8 +233,8 @@ def setup(config, kind, builtin_sizes=None):
     return Run(config=c, rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
                raw_model=raw_model, optimizer=optimizer, loader=loader, start_iter=start_iter, max_iters=max_iters,
-               out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved, guard=StepGuard(c["max_bad_steps"], ckpt_path),
-               adapters=adapters)
+               out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved,
+               guard=StepGuard(c["max_bad_steps"], ckpt_path, model), adapters=adapters)
 
 
 def build_model(model_config, start, seed, device, parallel, world_size, param_dtype, compile=False,

@@ -21,8 +21,9 @@ import torch
 
 from parallel import fail, is_master
 
-FIXED_ON_RESUME = ("data", "data_split", "val_data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong",
-                   "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize_base")
+FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer", "batch_size", "seed",
+                   "max_len", "overlong", "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
+                   "quantize_base")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 
 

@@ -94,13 +94,17 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k
     copied to its replies. Sampling: see sample(); generator may be a list, one per reply. sync_ranks: under FSDP
     every forward is a collective, so all ranks step together until every rank is done (a rank with nothing left
     runs a one-token dummy forward). kv_cache=False re-reads every sequence whole for each new token: the reference
-    the cache is tested against."""
+    the cache is tested against. A reply also stops where prompt + reply fill the model's max_seq_len positions."""
     device = next(model.parameters()).device
+    longest, positions = max(map(len, prompts), default=0), model.config.max_seq_len
+    if longest >= positions:
+        raise ValueError(f"a prompt of {longest} tokens leaves no room for a reply: the model reads at most "
+                         f"max_seq_len={positions} tokens")
     seqs = [list(p) for p in prompts for _ in range(num_samples)]
     new = [[] for _ in seqs]
     active = list(range(len(seqs)))
     stop_ids = set(stop_ids)
-    cache = KVCache(len(prompts), max(map(len, prompts)) + max_new_tokens) if kv_cache and prompts else None
+    cache = KVCache(len(prompts), min(longest + max_new_tokens, positions)) if kv_cache and prompts else None
     for step in range(max_new_tokens):
         if sync_ranks:
             busy = torch.tensor(len(active), device=device)
@@ -136,7 +140,7 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k
         for row, (i, t) in enumerate(zip(active, next_ids.tolist())):
             seqs[i].append(t)
             new[i].append(t)
-            if t not in stop_ids:
+            if t not in stop_ids and len(seqs[i]) < positions:
                 still.append(i)
                 rows.append(row)
         if cache is not None and len(still) < len(active):

@@ -62,12 +62,14 @@ def check_settings(c, world_size=1):
 def add_adapters(model, rank, alpha, dropout=0.0, targets=TARGETS):
     """Freeze the model and give each target linear of every block (check_settings' names) rank-`rank` adapters
     (initialised unless the model is on the meta device: then init_adapters after placing it). Returns the model."""
+    linears = [(n, m) for n, m in model.layers.named_modules(prefix="layers") if n.rsplit(".", 1)[-1] in targets]
+    name, m = min(linears, key=lambda x: min(x[1].in_features, x[1].out_features))
+    if rank > min(m.in_features, m.out_features):  # past that, a rank adds parameters and no capacity
+        raise ValueError(f"lora_rank={rank} is more than the smallest dimension of the adapted layers ({name}: "
+                         f"{m.in_features} -> {m.out_features}); choose at most {min(m.in_features, m.out_features)}")
     model.requires_grad_(False)
-    for block in model.layers:
-        for parent in (block.self_attn, block.mlp):
-            for name in targets:
-                if hasattr(parent, name):
-                    _to_lora(getattr(parent, name), rank, alpha, dropout)
+    for _, linear in linears:
+        _to_lora(linear, rank, alpha, dropout)
     if not model.embed_tokens.weight.is_meta:
         init_adapters(model)
     return model
@@ -144,6 +146,10 @@ def quantize_base(model, block_size=64, scaler_block_size=256):
                 kept.append(name)
                 continue
             m.weight = nn.Parameter(to_nf4(m.weight.detach(), block_size, scaler_block_size), requires_grad=False)
+    if len(kept) == len(adapted(model)):
+        raise ValueError(f"quantize_base='nf4': none of the {len(kept)} adapted weights is a multiple of "
+                         f"{block_size * scaler_block_size} values (NF4 blocks), so nothing would be 4-bit and QLoRA "
+                         f"would be plain LoRA; drop quantize_base for this model")
     if kept:
         print0(f"quantize_base: {len(kept)} weight(s) stay in {model.embed_tokens.weight.dtype}, their size is not a "
                f"multiple of {block_size * scaler_block_size} (NF4 blocks), e.g. {kept[0]}")

@@ -5,6 +5,9 @@ Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder.
     python sample.py --model=out/sft/hf --prompt="What is 12+30?"     # one chat turn, greedy
     python sample.py --model=out/sft/hf                                # interactive chat
     python sample.py --model=out/sft/ckpt.pt --temperature=0.8 --top_p=0.95 --num_samples=3
+
+A reply ends at max_new_tokens, or where prompt + reply fill the model's max_seq_len (a note says so); a chat that
+outgrows the model drops its oldest turns, and says so.
 """
 
 import os
@@ -62,16 +65,29 @@ if __name__ == "__main__":
         sys.exit(f"sample.py: cannot load {model}: {e}")
     net.eval()
     messages = [{"role": "system", "content": system}] if system else []
+    positions = net.config.max_seq_len  # prompt + reply: generate() stops a reply there
 
     def reply(messages):
+        """-> [(text, whether it reached max_seq_len before it ended)], one per sample."""
         ids = tok.render_prompt(messages)
         outs = generate(net, [ids], max_new_tokens, stop_ids=tok.stop_ids, num_samples=num_samples,
                         temperature=temperature, top_k=top_k or None, top_p=top_p)
-        return [tok.decode_reply(out) for out in outs]
+        return [(tok.decode_reply(out), len(ids) + len(out) == positions and out[-1] not in tok.stop_ids)
+                for out in outs]
+
+    def show(text, cut):
+        print(text + f"\n(cut: prompt and reply reached the model's max_seq_len={positions} tokens)" * cut)
+
+    def too_long(messages):
+        n = len(tok.render_prompt(messages))
+        return f"the prompt is {n} tokens and {model} reads at most max_seq_len={positions}" if n >= positions else ""
 
     if prompt:
-        for text in reply(messages + [{"role": "user", "content": prompt}]):
-            print(text)
+        messages.append({"role": "user", "content": prompt})
+        if why := too_long(messages):
+            sys.exit(f"sample.py: {why}; shorten the prompt (or the system prompt)")
+        for text, cut in reply(messages):
+            show(text, cut)
             print("---")
     else:
         print(f"chatting with {model} (empty line or Ctrl-D to quit)")
@@ -81,8 +97,20 @@ if __name__ == "__main__":
             except EOFError:  # Ctrl-D, or the end of piped input
                 return ""
 
+        first = len(messages)  # the oldest turn after the system prompt: dropped first when the chat outgrows the model
         while (line := read_line()):
-            messages.append({"role": "user", "content": line})
-            answer = reply(messages)[0]
-            print(answer)
-            messages.append({"role": "assistant", "content": answer})
+            turn = {"role": "user", "content": line}
+            if why := too_long(messages[:first] + [turn]):
+                print(f"({why}: not sent; write a shorter message)")
+                continue
+            messages.append(turn)
+            dropped = 0
+            while len(messages) > first + 1 and len(tok.render_prompt(messages)) + max_new_tokens > positions:
+                del messages[first:first + 2]  # a user turn and its reply
+                dropped += 1
+            if dropped:
+                print(f"(the model no longer sees the {dropped} oldest turn(s): prompt and reply must fit its "
+                      f"max_seq_len={positions}, with room for max_new_tokens={max_new_tokens})")
+            text, cut = reply(messages)[0]
+            show(text, cut)
+            messages.append({"role": "assistant", "content": text})

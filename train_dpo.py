@@ -37,6 +37,7 @@ data = "builtin"  # 'builtin' (arithmetic preference pairs), records or a prepar
 #   .jsonl, .parquet, a folder of shards, a glob (see data/prepare.py), or the folder it writes
 data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
 val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
+val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')
 max_len = 4096  # records only: longest sequence kept; longer ones follow `overlong`
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
 batch_size = 32  # preference pairs per optimizer step, all ranks together

@@ -47,7 +47,9 @@ init_from = "out/dpo/hf"  # the model `python train_dpo.py` leaves; any Hugging 
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
 data = "builtin"  # 'builtin' (the arithmetic task's hard split) or prompt records (see above)
+data_split = None  # records: the split of a folder holding several (e.g. 'train'), by file-name prefix
 val_data = None  # records: held-out prompts for evaluation (builtin: the hard split's val chats)
+val_split = None  # records: the split of a val_data folder holding several (e.g. 'test')
 reward = "builtin"  # 'builtin' (the exact answer: data.arithmetic.reward) or 'module:function' (see above)
 k = 8  # replies sampled per prompt (a group)
 prompts_per_step = 32  # prompts per step, all ranks together
@@ -120,13 +122,13 @@ def fits(ids, where):
         fail(f"data error: {where}: the prompt has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and k={k} "
              f"its group needs up to {group} tokens, its replies {len(ids) + max_new_tokens} positions "
              f"(microbatch_tokens={microbatch_tokens}, max_seq_len={raw_model.config.max_seq_len}); raise "
-             f"microbatch_tokens, or shorten the prompt")
+             f"microbatch_tokens, lower max_new_tokens or shorten the prompt")
 
 
 try:
-    train_prompts = read_prompts(data, None, tok, fits)
-    val_prompts = read_prompts(val_data or data, eval_examples, tok, fits) if eval_examples and (
-        val_data or data == "builtin") else []
+    train_prompts = read_prompts(data, None, tok, fits, data_split, "data_split")
+    has_val = eval_examples and (val_data or data == "builtin")
+    val_prompts = read_prompts(val_data or data, eval_examples, tok, fits, val_split, "val_split") if has_val else []
 except SystemExit as e:
     fail(e.code)
 print0(f"RL: {loss} loss, {len(train_prompts)} train prompts, {prompts_per_step} x {k} replies per step, reward "
@@ -161,7 +163,8 @@ def score(prompts, replies, num_samples):
 
 
 def sample(step):
-    """This rank's share of step `step`: (prompts, replies: k token lists per prompt, rewards (G, k))."""
+    """This rank's share of step `step`: (prompts, replies: k token lists per prompt, rewards (G, k), seconds spent in
+    the reward function)."""
     first = step * prompts_per_step
     mine = list(range(first + rank, first + prompts_per_step, world_size))  # global positions in the prompt stream
     prompts = [train_prompts[permutation(i // len(train_prompts))[i % len(train_prompts)]] for i in mine]
@@ -171,7 +174,9 @@ def sample(step):
         replies = generate(raw_model, [p[0] for p in prompts], max_new_tokens, tok.stop_ids, temperature,
                            generator=gens, sync_ranks=sync_ranks, num_samples=k, top_p=top_p)
     model.train()
-    return prompts, [replies[g * k:(g + 1) * k] for g in range(len(prompts))], score(prompts, replies, k).view(-1, k)
+    t0 = time.perf_counter()
+    rewards = score(prompts, replies, k).view(-1, k)
+    return prompts, [replies[g * k:(g + 1) * k] for g in range(len(prompts))], rewards, time.perf_counter() - t0
 
 
 def training_batches(prompts, replies, rewards):
@@ -237,7 +242,7 @@ def evaluate():
     return out
 
 
-def log_step(step_loss, rewards, replies, trained, unshared, gen_s, train_s, grad_norm):
+def log_step(step_loss, rewards, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm):
     """Every step's log line (a step takes seconds): its loss, the rewards of its samples on all ranks, its speed."""
     flat = rewards.flatten()
     perf, (loss_sum, r_sum, r2_sum, right, n, reply_tokens, unshared) = meter.read(train_s, 1, [
@@ -246,11 +251,12 @@ def log_step(step_loss, rewards, replies, trained, unshared, gen_s, train_s, gra
     mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
     metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=math.sqrt(max(r2_sum / n - mean ** 2, 0)),
                    accuracy=right / n, reply_tokens=reply_tokens / n, groups_trained=trained, gen_ms=1000 * gen_s,
-                   train_ms=1000 * train_s, tokens_unshared=unshared, lr=lr, grad_norm=grad_norm.item(),
-                   skipped_steps=run.guard.skipped_steps, **perf)
+                   reward_ms=1000 * reward_s, train_ms=1000 * train_s, tokens_unshared=unshared, lr=lr,
+                   grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps, **perf)
     print0(f"iter {iter_num}/{max_iters} | loss {loss_sum:.4f} | reward {mean:.3f} | accuracy "
-           f"{100 * metrics['accuracy']:.1f}% | groups {trained:.0f} | gen {1000 * gen_s:.0f} ms | train "
-           f"{1000 * train_s:.0f} ms | tokens {perf['tokens']:,.0f} (unshared {unshared:,.0f}) | eta {format_eta(eta)}")
+           f"{100 * metrics['accuracy']:.1f}% | groups {trained:.0f} | ms: gen {1000 * gen_s:.0f}, reward "
+           f"{1000 * reward_s:.0f}, train {1000 * train_s:.0f} | tokens {perf['tokens']:,.0f} (unshared "
+           f"{unshared:,.0f}) | eta {format_eta(eta)}")
     logger.log(metrics)
 
 
@@ -264,9 +270,9 @@ start_iter, t_start = iter_num, time.perf_counter()
 while iter_num < max_iters:
     lr = common.set_lr(optimizer, common.lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
-    prompts, replies, rewards = sample(iter_num)
+    prompts, replies, rewards, reward_s = sample(iter_num)
     batches, size, advantages, normaliser, trained, unshared = training_batches(prompts, replies, rewards)
-    gen_s = time.perf_counter() - t0
+    gen_s = time.perf_counter() - t0 - reward_s
     meter.count(batches, data_time=0.0)
     mbs, states = [mb.to(device) for mb in batches], [{} for _ in batches]
     stopping = False  # a stop signal is honoured after the step's last update
@@ -284,8 +290,8 @@ while iter_num < max_iters:
         optimizer.zero_grad(set_to_none=True)
         stopping |= stop
     iter_num += 1
-    train_s = timer.lap() - gen_s
-    log_step(step_loss, rewards, replies, trained, unshared, gen_s, train_s, grad_norm)
+    train_s = timer.lap() - gen_s - reward_s
+    log_step(step_loss, rewards, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm)
     last = iter_num == max_iters
     if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
         save_checkpoint(run, iter_num, {}, config, extra=dict(before=before))

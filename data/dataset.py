@@ -13,26 +13,30 @@ from data.prepare import DataError, as_messages, data_files, load, peek_kind, pr
 from packing import shared_prefixes, unit_lengths
 from parallel import is_master, print0
 
-NEEDS = dict(sft="messages", dpo="chosen/rejected pairs")
+NEEDS = dict(sft="messages", dpo="chosen/rejected pairs", rl="prompt records")
 
 
 def prepared(data):
     return data != "builtin" and os.path.isfile(os.path.join(data, "meta.json"))
 
 
-def check_kind(data, data_split, val_data, kind):
+def check_kind(data, data_split, val_data, val_split, kind):
     """SFT data for train_sft.py, pairs for train_dpo.py, found before anything is tokenized: the first record of raw
-    records, or a prepared folder's meta.json. A mistake is a SystemExit line."""
+    records, or a prepared folder's meta.json; the splits named exist (RL: its prompt files). A mistake is a SystemExit
+    line."""
     try:
+        if val_split and not val_data:
+            raise SystemExit(f"config error: val_split={val_split!r}; it picks a split of a val_data folder, and "
+                             f"val_data is not set")
         if data == "builtin" or prepared(data):
-            if data_split or val_data:
+            if data_split or (val_data and kind != "rl"):  # RL's val_data holds prompt records
                 key, value = ("data_split", data_split) if data_split else ("val_data", val_data)
                 raise SystemExit(f"config error: {key}={value!r}; it picks raw records; this data is 'builtin' or "
                                  f"already prepared")
             found, where = kind if data == "builtin" else read_meta(data).get("kind"), data
         else:
-            found, where = peek_kind(data, data_split)
-            val_data and data_files(val_data)
+            found, where = (kind, data_files(data, data_split)) if kind == "rl" else peek_kind(data, data_split)
+        val_data and data_files(val_data, val_split, "val_split")
     except (ValueError, OSError) as e:
         raise SystemExit(f"data error: {e}") from None
     if found != kind:
@@ -54,7 +58,7 @@ def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
             else:
                 prepare(c["data"], data_dir, tokenizer=tok, max_len=min(c["max_len"], max_seq_len),
                         overlong=c["overlong"], val_fraction=c["val_fraction"], seed=c["seed"],
-                        data_split=c["data_split"], val_input=c["val_data"])
+                        data_split=c["data_split"], val_input=c["val_data"], val_split=c["val_split"])
         except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
             capped = c["max_len"] > max_seq_len and "max_len" in str(e)
             raise SystemExit(f"data error: {e}" + f" (max_len is capped at the model's max_seq_len={max_seq_len}: it "
@@ -103,10 +107,11 @@ def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix
                              f"with a smaller --max_len")
 
 
-def read_prompts(source, n, tok, limit):
+def read_prompts(source, n, tok, limit, split=None, key="data_split"):
     """RL prompts -> [(prompt token ids, prompt messages, reward fields, where)], the first n (None: all). source:
     'builtin' (the hard split: val when n is given, else train) or records {"messages"} / {"prompt"} with any other
-    fields for the reward. limit(ids, where) checks a prompt's length."""
+    fields for the reward; split: of a folder holding several, set by config key `key`. limit(ids, where) checks a
+    prompt's length."""
     if source == "builtin":
         split = "val" if n else "train"
         found = [(p, dict(answer=a), f"builtin:{split}:{i}")
@@ -114,7 +119,7 @@ def read_prompts(source, n, tok, limit):
     else:
         found = []
         try:
-            for where, record in read_records(data_files(source), verbose=False):
+            for where, record in read_records(data_files(source, split, key), verbose=False):
                 field = "messages" if "messages" in record else "prompt"
                 messages = as_messages(record.get(field), field, "user", where)
                 if messages[-1]["role"] != "user":
@@ -125,6 +130,9 @@ def read_prompts(source, n, tok, limit):
                     break
         except (ValueError, OSError) as e:
             raise SystemExit(f"data error: {e}") from None
+        if not found:
+            raise SystemExit(f"data error: {source}: no prompts found (an empty file?); write one {{\"prompt\": ...}} "
+                             f"or {{\"messages\": [...]}} record a line")
     prompts = [(tok.render_prompt(m), m, fields, where) for m, fields, where in found]
     for ids, _, _, where in prompts:
         limit(ids, where)

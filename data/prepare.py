@@ -9,7 +9,7 @@ Chat records, JSONL or Parquet as downloaded from the Hugging Face hub -> the to
 
 --input (and --val_input): a .jsonl file (a record a line), a .parquet file (a record a row, read row group by row
 group: pip install pyarrow), a folder of .parquet/.jsonl shards or a quoted glob, in name order. A folder's files form
-splits by name (train_prefs-00000-of-00001.parquet: split train_prefs); several splits need --data_split.
+splits by name (train_prefs-00000-of-00001.parquet: split train_prefs); several splits need --data_split (--val_split).
 
 Records (the first decides SFT or DPO, one kind per input; other fields, e.g. id, ignored):
   SFT  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}  (e.g. Tulu 3 SFT mixture)
@@ -51,10 +51,10 @@ class DataError(ValueError):
     """Bad input data. The message reads '{path}:{line}: {what} — {how to fix}'."""
 
 
-def data_files(path, data_split=None):
+def data_files(path, data_split=None, key="data_split"):
     """A file, a folder of .parquet/.jsonl shards or a glob -> the files to read, in name order (.parquet read as
     Parquet, anything else as JSONL). A folder's files form splits by name, the shard number dropped:
-    train_prefs-00000-of-00002.parquet is in split train_prefs."""
+    train_prefs-00000-of-00002.parquet is in split train_prefs. key: the setting that names the split, for messages."""
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(path, "*.parquet")) + glob.glob(os.path.join(path, "*.jsonl")))
     else:
@@ -64,8 +64,8 @@ def data_files(path, data_split=None):
                         "folder that holds the shards (often its data/ subfolder)" if os.path.isdir(path) else
                         "matches it as a pattern — check the path"))
     if data_split is not None and not os.path.isdir(path):
-        raise DataError(f"{path}: data_split={data_split!r} picks a split inside a folder, and this is a file or "
-                        f"a pattern — pass the folder, or drop data_split")
+        raise DataError(f"{path}: {key}={data_split!r} picks a split inside a folder, and this is a file or "
+                        f"a pattern — pass the folder, or drop {key}")
     splits = {}
     for f in files:
         name = os.path.basename(f).rsplit(".", 1)[0]
@@ -73,8 +73,13 @@ def data_files(path, data_split=None):
     if (data_split is not None and data_split not in splits) or (data_split is None and len(splits) > 1):
         found = ", ".join(map(repr, sorted(splits)))
         raise DataError(f"{path}: " + (f"no split {data_split!r}" if data_split else "several splits") +
-                        f" among its files; found {found} — choose one with data_split")
-    return splits[data_split] if data_split is not None else files
+                        f" among its files; found {found} — choose one with {key}")
+    files = splits[data_split] if data_split is not None else files
+    if len({f.endswith(".parquet") for f in files}) > 1:  # e.g. train.jsonl beside train.parquet: read twice
+        both = [next(f for f in files if f.endswith(".parquet") == p) for p in (False, True)]
+        raise DataError(f"{path}: the split is there in two formats, {both[0]} and {both[1]} (the same records "
+                        f"twice?) — keep one of them in the folder")
+    return files
 
 
 def read_jsonl(path):
@@ -228,6 +233,11 @@ def parse(record, where):
                 raise DataError(f"{where}: chosen and rejected differ in a {roles.pop()} turn, not only in "
                                 f"assistant turns — both must share the same prompt messages, then differ "
                                 f"in the assistant's reply")
+        if not any(m["role"] == "user" for m in prompt):  # the replies answer nothing the model would be shown
+            named = [k for k, v in record.items() if k not in ("prompt", "chosen", "rejected") and isinstance(v, str)]
+            rename = f" (rename {named[0]!r} to 'prompt'?)" if len(named) == 1 and "prompt" not in record else ""
+            raise DataError(f"{where}: the pair has no user turn, so no prompt (the line's keys: "
+                            f"{', '.join(map(repr, sorted(record)))}) — put the user's turn in 'prompt'{rename}")
         return "dpo", (prompt, chosen, rejected)
     raise DataError(f"{where}: expected 'messages' (SFT) or 'chosen' and 'rejected' (DPO), got keys "
                     f"{sorted(record)} — see the formats at the top of data/prepare.py")
@@ -356,20 +366,24 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
 
 
 def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error", val_fraction=0.01,
-            seed=1337, verbose=True, data_split=None, val_input=None):
+            seed=1337, verbose=True, data_split=None, val_input=None, val_split=None):
     """Records (see data_files) -> token files in out_dir; returns meta. tokenizer: a Tokenizer, "byte" or a
-    folder. val_input: records for the val split, instead of holding out val_fraction of the input."""
+    folder. val_input: records for the val split (val_split: its split), instead of holding out val_fraction."""
+    if not 0 <= val_fraction < 1:
+        raise DataError(f"val_fraction={val_fraction} must be in [0, 1): the share of records held out for val")
+    if val_split is not None and val_input is None:
+        raise DataError(f"val_split={val_split!r} picks a split of val_input, and no val_input is given")
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     files = data_files(input_path, data_split)  # before out_dir is touched: a wrong path writes nothing
+    val_files = None if val_input is None else data_files(val_input, val_split, "val_split")
     if val_input is None:
         rng = random.Random(seed)  # one draw per record, so the split does not depend on max_len/overlong
         items = ((where, "val" if rng.random() < val_fraction else "train", record)
                  for where, record in read_records(files, verbose))
     else:
-        val_files = data_files(val_input)
         items = itertools.chain(((where, "train", record) for where, record in read_records(files, verbose)),
                                 ((where, "val", record) for where, record in read_records(val_files, verbose)))
-    extra_meta = dict(source=os.path.abspath(input_path), data_split=data_split, seed=seed,
+    extra_meta = dict(source=os.path.abspath(input_path), data_split=data_split, seed=seed, val_split=val_split,
                       val_source=os.path.abspath(val_input) if val_input is not None else None,
                       val_fraction=val_fraction if val_input is None else None)
     return write_token_files(items, out_dir, tok, max_len, overlong, extra_meta, verbose)
@@ -411,11 +425,12 @@ if __name__ == "__main__":
     p.add_argument("--overlong", choices=OVERLONG, default="error")
     p.add_argument("--val_fraction", type=float, default=0.01)
     p.add_argument("--val_input", default=None, help="val records (file, folder or glob) instead of --val_fraction")
+    p.add_argument("--val_split", default=None, help="the split to read from a --val_input folder holding several")
     p.add_argument("--seed", type=int, default=1337)
     args = p.parse_args()
     try:
         prepare(args.input, args.out_dir, args.tokenizer, args.max_len, args.overlong, args.val_fraction,
-                args.seed, data_split=args.data_split, val_input=args.val_input)
+                args.seed, data_split=args.data_split, val_input=args.val_input, val_split=args.val_split)
     except (ValueError, OSError) as e:  # DataError, a missing file, an unsupported tokenizer: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

@@ -15,3 +15,16 @@ def raises(prompt, reply, **fields):
 
 def nan(prompt, reply, **fields):
     return float("nan")
+
+
+
+def many_characters(prompt, reply, **fields):
+    """1 for a reply of at least 5 distinct characters, else 0: a group of 2 replies often ties (nothing to learn)."""
+    return float(len(set(reply)) >= 5)
+
+
+def slow(prompt, reply, **fields):
+    """A reward that takes 0.25 s a call, as one calling a judge model or running code might."""
+    import time
+    time.sleep(0.25)
+    return float(len(set(reply)))

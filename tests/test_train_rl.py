@@ -238,3 +238,18 @@ def test_default_flow_from_a_dpo_folder(tmp_path):
                "--prompts_per_step=2", "--k=2"])
     assert "held-out, greedy: exact-match accuracy" in out.stdout and "(before RL -> after)" in out.stdout
     assert os.path.exists(os.path.join(tmp_path, "rl", "hf", "model.safetensors"))
+
+
+def test_a_diverged_run_stops_non_zero_with_no_export(tmp_path):
+    """The reported case: lr=1e6 makes every update non-finite, while steps whose groups all tie (nothing to train)
+    come between them; they must not reset the count of non-finite updates in a row."""
+    out_dir = str(tmp_path / "run")
+    out = run(args(out_dir, reward="tests.rl_rewards:many_characters", k=2, prompts_per_step=1, learning_rate=1e6,
+                   min_lr=0.0, warmup_iters=5, kl_coef=0.0, updates_per_batch=1, max_iters=12, eval_examples=4,
+                   seed=1337), check=False)
+    assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert "stopping: 3 steps in a row had a non-finite loss or gradient norm" in out.stderr
+    s = step_metrics(out_dir)
+    first_bad = next(i for i, m in enumerate(s) if m["skipped_steps"])
+    assert any(m["groups_trained"] == 0 for m in s[first_bad:]), "the case needs a step with nothing to train"
+    assert len(s) < 12 and not os.path.exists(os.path.join(out_dir, "hf"))  # stopped early, nothing exported
