@@ -17,6 +17,7 @@ import torch.distributed as dist
 from checkpoint import all_finite, base_fingerprint, load_checkpoint, restore_checkpoint
 from data.arithmetic import prepare_builtin
 from data.prepare import load, prepare
+import context
 import lora
 from hf import from_pretrained, load_hf_weights, read_hf_config
 from model import ModelConfig, Transformer, attention_backend, config_from_preset
@@ -50,6 +51,7 @@ class Run:
     max_bad_steps: int
     stop: "StopSignal"
     adapters: dict = None      # LoRA settings (rank, alpha, dropout, targets, quantize); None: full fine-tuning
+    cp: context.ContextParallel = None  # this rank's CP group (size 1: none) and data-parallel rank / size
     skipped_steps: int = 0     # updates skipped for a non-finite loss or gradient norm, this process's lifetime
     bad_in_a_row: int = 0
 
@@ -116,6 +118,7 @@ def setup(config, kind, builtin_sizes=None):
     (no token files and no loader: train_rl.py reads its prompts and makes its batches itself)."""
     c = config
     rank, world_size, device = setup_distributed(c["device"], c["dist_timeout"])
+    cp = context.setup(c.get("context_parallel", 1), rank, world_size, c["dist_timeout"])
     torch.manual_seed(c["seed"])
     dtype, ptdtype, autocast = precision(device, c["dtype"], c["parallel"], world_size)
     resume = c["init_from"] == "resume"
@@ -143,7 +146,7 @@ def setup(config, kind, builtin_sizes=None):
     train_data = val_data = loader = None
     if kind != "rl":
         train_data, val_data = load_data(data_dir, tok, kind)
-        check_fits(model_config, tok, data_dir, train_data, val_data, c["microbatch_tokens"], kind)
+        check_fits(model_config, tok, data_dir, train_data, val_data, c["microbatch_tokens"], kind, cp.size)
     compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
     if c["compile"] == "auto" and not compiled:
         print0("compile='auto': off on CPU, where compiling costs seconds at every start for a gain within noise "
@@ -155,8 +158,9 @@ def setup(config, kind, builtin_sizes=None):
     optimizer = make_optimizer(model, c["learning_rate"], c["weight_decay"], device_type=device.type)
 
     if kind != "rl":
-        loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
-                              seed=c["seed"], dpo=kind == "dpo", prefix_sharing=c.get("prefix_sharing", False))
+        loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"] * cp.size, rank=cp.data_rank,
+                              world_size=cp.data_size, seed=c["seed"], dpo=kind == "dpo",
+                              prefix_sharing=c.get("prefix_sharing", False), context=cp)
         units = f"{len(loader.lengths)} train {'pairs' if kind == 'dpo' else 'examples'}"
         if c["batch_size"] > len(loader.lengths):
             print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
@@ -173,14 +177,15 @@ def setup(config, kind, builtin_sizes=None):
     trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad) if adapters else 0
     lora_note = f" (LoRA r={adapters['rank']}: {trained / 1e6:.2f}M train)" if adapters else ""
     data_note = f" | data: {data_dir}, {units}, {len(loader)} steps/epoch" if loader else ""
+    cp_note = f", context parallel {cp.size} x data parallel {cp.data_size}" if cp.size > 1 else ""
     print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters{lora_note}{data_note} | world size {world_size} "
-           f"({c['parallel']}) | device {device}, {dtype}, "
+           f"({c['parallel']}{cp_note}) | device {device}, {dtype}, "
            f"attention {attention_backend(device, ptdtype)} | {max_iters} iterations")
     return Run(rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
                raw_model=raw_model, optimizer=optimizer, loader=loader, start_iter=start_iter, max_iters=max_iters,
                out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved, max_bad_steps=c["max_bad_steps"],
-               stop=StopSignal(), adapters=adapters)
+               stop=StopSignal(), adapters=adapters, cp=cp)
 
 
 def build_model(model_config, start, seed, device, parallel, world_size, param_dtype, compile=False,
@@ -292,9 +297,9 @@ def load_data(data_dir, tok, kind):
     return train, val
 
 
-def check_fits(model_config, tok, data_dir, train_data, val_data, microbatch_tokens, kind):
+def check_fits(model_config, tok, data_dir, train_data, val_data, microbatch_tokens, kind, context_parallel=1):
     """Data the model cannot take, found at load time rather than iterations later: a tokenizer larger than the
-    embedding table, an example longer than the model's positions or than one micro-batch."""
+    embedding table, an example longer than the model's positions or than one micro-batch (of a CP group's GPUs)."""
     if tok.vocab_size > model_config.vocab_size:
         raise SystemExit(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_config.vocab_size} "
                          f"embeddings; use the model's own tokenizer (--tokenizer=<its folder>)")
@@ -312,11 +317,13 @@ def check_fits(model_config, tok, data_dir, train_data, val_data, microbatch_tok
                              f"max_seq_len={model_config.max_seq_len} positions; prepare the data with "
                              f"--max_len={model_config.max_seq_len} (and --overlong=truncate or skip)")
         units = lengths.reshape(-1, 2).sum(1) if kind == "dpo" else lengths
-        if units.max() > microbatch_tokens:
+        if units.max() > microbatch_tokens * context_parallel:
             what = "pair (chosen + rejected)" if kind == "dpo" else "example"
+            budget = f"{context_parallel} x " * (context_parallel > 1) + f"microbatch_tokens={microbatch_tokens}"
             raise SystemExit(f"{data_dir}: the longest {split} {what} ({int(units.argmax())}) has {units.max()} "
-                             f"tokens, more than microbatch_tokens={microbatch_tokens}; raise microbatch_tokens to "
-                             f"at least {units.max()}, or prepare the data with a smaller --max_len")
+                             f"tokens, more than {budget}; raise microbatch_tokens to at least {units.max()}, split "
+                             f"it over GPUs with --context_parallel={-(-units.max() // microbatch_tokens)} "
+                             f"(torchrun), or prepare the data with a smaller --max_len")
 
 
 def make_optimizer(model, learning_rate, weight_decay, betas=(0.9, 0.95), device_type="cpu"):

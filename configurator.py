@@ -123,6 +123,10 @@ def check_config(c, kind, choices):
         bad("min_lr", f"it must not exceed learning_rate={c['learning_rate']} (the schedule decays to it)")
     if kind == "rl" and (c["max_iters"] < 1 or not 0 < c["top_p"] <= 1):
         bad(*("max_iters", "it must be at least 1") if c["max_iters"] < 1 else ("top_p", "it must be in (0, 1]"))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if "context_parallel" in c and (c["context_parallel"] < 1 or world % c["context_parallel"]):
+        bad("context_parallel", f"it must divide the number of processes ({world}): each group of that many ranks "
+                                f"splits one micro-batch's tokens (1: no context parallelism)")
     for key, high in (("seed", 2**32), ("val_fraction", 1.0), ("lora_dropout", 1.0)):
         if key in c and not 0 <= c[key] < high:
             bad(key, f"it must be in [0, {'2**32' if key == 'seed' else 1})")

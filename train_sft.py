@@ -37,6 +37,7 @@ max_len = 4096  # records only: longest example kept; longer ones follow `overlo
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
 batch_size = 32  # examples per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
+context_parallel = 1  # ranks splitting each micro-batch's tokens (a sequence up to this x microbatch_tokens long)
 max_iters = 1100  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
 learning_rate = 5e-3  # the toy model from scratch; a pretrained init_from gets fine-tuning values (see configure below)
@@ -83,7 +84,8 @@ logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config
 
 def microbatch_loss(mb, normaliser):
     """This micro-batch's share of the step loss: its summed (weighted) token loss / the step's global normaliser.
-    Times world_size because DDP and FSDP average gradients over ranks, and we want their sum."""
+    Times world_size because DDP and FSDP average gradients over ranks, and we want their sum (under context
+    parallelism each rank of a group holds its share of the group's gradient: they add up too)."""
     weights = None
     if loss_weighting == "sequence":  # each example counts once: its target tokens share weight 1
         per_seq = mb.sequence_sums((mb.targets != -100).float()).clamp(min=1.0)
@@ -99,12 +101,12 @@ def evaluate():
     printed and logged. Every rank runs the same number of forwards (FSDP's all-gathers are collectives)."""
     model.eval()
     out = {}
-    bins = pack(np.diff(np.asarray(run.val_data["offsets"])), microbatch_tokens)
+    bins = pack(np.diff(np.asarray(run.val_data["offsets"])), microbatch_tokens * context_parallel)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     n_targets = 0
-    for j in range(run.rank, -(-len(bins) // world_size) * world_size, world_size):
+    for j in range(run.cp.data_rank, -(-len(bins) // run.cp.data_size) * run.cp.data_size, run.cp.data_size):
         # past the end of the bins: a filler forward with no targets, so this rank keeps step with the others
-        mb = make_batch(run.val_data, bins[j] if j < len(bins) else [])
+        mb = run.cp.split(make_batch(run.val_data, bins[j] if j < len(bins) else []))
         n_targets += mb.num_target_tokens
         mb = mb.to(device)
         with run.autocast:
