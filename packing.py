@@ -110,7 +110,7 @@ class PackedBatch:
     num_pairs: int                 # DPO: U (pairs, or groups of k sequences), 0 for SFT
     num_tokens: int                # real tokens computed (a shared prompt counts once)
     num_target_tokens: int         # trained tokens (rows the LM head scores)
-    num_padding: int               # 1 for a filler's dummy token, else 0; a CP slice: its padding rows, last
+    num_padding: int               # 1 for a filler's dummy token, else 0; a CP slice: its padding rows
     context: object = None         # a CP slice: the context.ContextParallel whose ranks hold the rest of the stream
 
     def to(self, device, non_blocking=True):
@@ -127,10 +127,11 @@ class PackedBatch:
                     targets=self.targets, target_rows=self.target_rows)
 
     def key_lengths(self):
-        """Keys each query segment of real tokens attends over (a sequence's length; with a shared prompt, P more; in a
-        CP slice, a piece's sequence up to the piece's end): the padding (a filler's token) is the last segment."""
+        """Keys each query segment of real tokens attends over: a sequence's length (with a shared prompt, P more); in
+        a CP slice, a piece's sequence up to the piece's end (the slice's padding is its last segment)."""
         cu = self.cu_seqlens if self.kv is None else self.kv[1]
-        return np.diff(cu.cpu().numpy())[:len(cu) - 1 - (self.num_padding > 0)]
+        n = self.num_sequences if self.context is None else len(cu) - 1 - (self.num_padding > 0)
+        return np.diff(cu.cpu().numpy())[:n]
 
     def sequence_sums(self, values):
         """values per target (aligned with seq_ids) -> (N,) per-sequence sums: one index_add_, no host sync. A CP
