@@ -81,8 +81,9 @@ class ContextParallel:
         return Sum.apply(x, self.group)
 
     def split(self, mb):
-        """This rank's slice of a group micro-batch: its rows of every sequence (chunks rank and 2*size-1-rank), each
-        rank's slice padded at its end to the longest slice (the ranks' totals differ by at most one row)."""
+        """This rank's slice of a group micro-batch (on the host, as make_batch returns it): its rows of every sequence
+        (chunks rank and 2*size-1-rank), padded at the end to the longest slice (the ranks' totals differ by one at
+        most), the padding rows a query segment of their own, last."""
         if self.size == 1:
             return mb
         C, r = self.size, self.rank
@@ -110,8 +111,8 @@ class ContextParallel:
         b, length = b[length > 0], length[length > 0]
         k_end = cu_k[seq] + (np.diff(cu_k) - q_lens)[seq] + b
         keys = np.r_[where[kv_index[ranges(cu_k[seq], k_end)]], r * T_local + len(rows) + np.arange(pad)]
-        k_lens = np.r_[k_end - cu_k[seq], [pad] * (pad > 0)]  # the padding rows: a segment of their own, last
-        q_lens_local = np.r_[length, [pad] * (pad > 0)]
+        k_lens = np.r_[k_end - cu_k[seq], [pad] * (pad > 0)].astype(np.int64)
+        q_lens_local = np.r_[length, [pad] * (pad > 0)].astype(np.int64)
         long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
         cum = lambda a: torch.from_numpy(np.r_[0, np.cumsum(a)].astype(np.int32))
         if mb.target_rows is None:  # SFT: a target slot per row; the padding's are IGNORE, in the filler slot N
@@ -123,8 +124,9 @@ class ContextParallel:
             tgt = dict(targets=long(mb.targets.numpy()[mine]), target_rows=long(where[tr[mine]] - r * T_local),
                        seq_ids=long(mb.seq_ids.numpy()[mine]))
         real = int((rows < mb.num_tokens).sum())  # a filler's dummy token is no real token
-        return replace(mb, **tgt, input_ids=long(np.r_[mb.input_ids.numpy()[rows], np.zeros(pad)]),
-                       position_ids=long(np.r_[mb.position_ids.numpy()[rows], np.zeros(pad)]),
+        zeros = np.zeros(pad, np.int64)
+        return replace(mb, **tgt, input_ids=long(np.r_[mb.input_ids.numpy()[rows], zeros]),
+                       position_ids=long(np.r_[mb.position_ids.numpy()[rows], zeros]),
                        cu_seqlens=cum(q_lens_local), max_seqlen=int(q_lens_local.max()),
                        kv=(long(keys), cum(k_lens), int(k_lens.max())), context=self, num_tokens=real,
                        num_target_tokens=int((tgt["targets"] != IGNORE_INDEX).sum()), num_padding=T_local - real)
