@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from checkpoint import all_finite, base_fingerprint, load_checkpoint, restore_checkpoint
+import context
 from data.dataset import check_fits, check_kind, load_data, prepare_data
 from data.prepare import OVERLONG
 import lora
@@ -30,7 +31,7 @@ RULES = dict(  # configurator.check_rule: the choices or the interval of each ke
     learning_rate="(0, inf)", min_lr="[0, learning_rate]", warmup_iters="[0, inf)", weight_decay="[0, inf)",
     grad_clip="[0, inf)", lora_rank="[0, inf)", lora_dropout="[0, 1)", seed="[0, 2**32)", val_fraction="[0, 1)",
     log_interval="[1, inf)", eval_interval="[0, inf)", eval_examples="[0, inf)", max_bad_steps="[1, inf)",
-    dist_timeout="[1, inf)")
+    dist_timeout="[1, inf)", context_parallel="[1, inf)")
 
 
 @dataclass
@@ -58,6 +59,7 @@ class Run:
     saved: dict                # the script's own extras from the checkpoint being resumed ({} otherwise)
     guard: "StepGuard"
     adapters: dict = None      # LoRA settings (rank, alpha, dropout, targets, quantize); None: full fine-tuning
+    cp: context.ContextParallel = None  # this rank's CP group (size 1: none) and data-parallel rank / size
 
     @property
     def master(self):
@@ -135,8 +137,12 @@ def check_run(c, kind):
     if c["device"] == "cuda" and not torch.cuda.is_available():
         fail("config error: device='cuda'; this machine has no CUDA GPU (torch.cuda.is_available() is False); use "
              "'auto' or 'cpu'")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    if world % c.get("context_parallel", 1):
+        fail(f"config error: context_parallel={c['context_parallel']}; it must divide the number of processes "
+             f"({world}): each group of that many ranks splits one micro-batch's tokens (1: no context parallelism)")
     try:
-        lora.check_settings(c, int(os.environ.get("WORLD_SIZE", 1)))
+        lora.check_settings(c, world)
     except ValueError as e:
         fail(f"config error: {e}")
     if c["init_from"] not in ("scratch", "resume") and not os.path.isfile(os.path.join(c["init_from"], "config.json")):
@@ -169,6 +175,7 @@ def setup(config, kind, builtin_sizes=None):
     c = config
     check_run(c, kind)
     rank, world_size, device = setup_distributed(c["device"], c["dist_timeout"])
+    cp = context.setup(c.get("context_parallel", 1), rank, world_size, c["dist_timeout"])
     torch.manual_seed(c["seed"])
     dtype, ptdtype, autocast = precision(device, c["dtype"], c["parallel"], world_size)
     resume = c["init_from"] == "resume"
@@ -197,7 +204,7 @@ def setup(config, kind, builtin_sizes=None):
     if kind != "rl":
         train_data, val_data = load_data(data_dir, tok)
         check_fits(model_config, tok, data_dir, dict(train=train_data, val=val_data), c["microbatch_tokens"],
-                   group_size, c.get("prefix_sharing", False))
+                   group_size, c.get("prefix_sharing", False), cp.size)
     compiled = c["compile"] is True or (c["compile"] == "auto" and device.type == "cuda")
     if c["compile"] == "auto" and not compiled:
         print0("compile='auto': off on CPU, where compiling costs seconds at every start for a gain within noise "
@@ -209,8 +216,9 @@ def setup(config, kind, builtin_sizes=None):
     optimizer = make_optimizer(model, c["learning_rate"], c["weight_decay"], device_type=device.type)
 
     if kind != "rl":
-        loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"], rank=rank, world_size=world_size,
-                              seed=c["seed"], group_size=group_size, prefix_sharing=c.get("prefix_sharing", False))
+        loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"] * cp.size, rank=cp.data_rank,
+                              world_size=cp.data_size, seed=c["seed"], group_size=group_size,
+                              prefix_sharing=c.get("prefix_sharing", False), context=cp)
         units = f"{len(loader.lengths)} train {'pairs' if kind == 'dpo' else 'examples'}"
         if c["batch_size"] > len(loader.lengths):
             print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
@@ -227,14 +235,15 @@ def setup(config, kind, builtin_sizes=None):
     trained = sum(p.numel() for p in raw_model.parameters() if p.requires_grad) if adapters else 0
     lora_note = f" (LoRA r={adapters['rank']}: {trained / 1e6:.2f}M train)" if adapters else ""
     data_note = f" | data: {data_dir}, {units}, {len(loader)} steps/epoch" if loader else ""
+    cp_note = f", context parallel {cp.size} x data parallel {cp.data_size}" if cp.size > 1 else ""
     print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters{lora_note}{data_note} | world size {world_size} "
-           f"({c['parallel']}) | device {device}, {dtype}, "
+           f"({c['parallel']}{cp_note}) | device {device}, {dtype}, "
            f"attention {attention_backend(device, ptdtype)} | {max_iters} iterations")
     return Run(config=c, rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
                raw_model=raw_model, optimizer=optimizer, loader=loader, start_iter=start_iter, max_iters=max_iters,
                out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved,
-               guard=StepGuard(c["max_bad_steps"], ckpt_path, model), adapters=adapters)
+               guard=StepGuard(c["max_bad_steps"], ckpt_path, model), adapters=adapters, cp=cp)
 
 
 def build_model(model_config, start, seed, device, parallel, world_size, param_dtype, compile=False,

@@ -81,8 +81,9 @@ class Throughput:
     def count(self, microbatches, data_time):
         for mb in microbatches:
             if mb.num_tokens:
-                seq_lens = np.diff(mb.cu_seqlens.numpy())[: mb.num_sequences]  # not the padding tail
-                flops = self.model.flops_per_token(seq_lens, mb.num_target_tokens, mb.key_lengths())
+                keys = mb.key_lengths()  # per query segment of real tokens (a CP slice: pieces of sequences)
+                flops = self.model.flops_per_token(np.diff(mb.cu_seqlens.numpy())[:len(keys)], mb.num_target_tokens,
+                                                   keys)
                 self.flops += self.flops_factor * flops * mb.num_tokens
             self.tokens += mb.num_tokens
             self.padding += mb.num_padding

@@ -9,7 +9,8 @@ Several sequences are concatenated into one stream of T tokens with no padding:
 Attention never crosses a boundary, so the stream computes exactly what N separate padded rows would.
 Optional kv = (kv_index, cu_seqlens_k, max_seqlen_k): keys and values are k[kv_index], a stream of their own, so a
 segment may attend to tokens outside it (a reply to its prompt, laid out once: packing.py); causal attention is then
-aligned at the bottom right, a segment's last query seeing all of its keys.
+aligned at the bottom right, a segment's last query seeing all of its keys. A 4th element, a context-parallel group
+(context.py): kv_index then reads the K/V rows of the whole group, all-gathered.
 The fused kernels are in kernels.py, Hugging Face I/O in hf.py, the KV cache in generate.py.
 """
 import inspect
@@ -255,6 +256,8 @@ class Attention(nn.Module):
         if self.use_rope:
             q, k = apply_rope(q, k, *rope, position_ids)
         if kv is not None:  # a key stream of its own: e.g. the shared prompt's keys again for a rejected response
+            if len(kv) > 3:  # context parallel: kv_index reads K/V all-gathered over the group kv[3] (context.py)
+                k, v = kv[3].gather(torch.cat([k, v], 1)).chunk(2, 1)  # one collective for both
             k, v = k.index_select(0, kv[0]), v.index_select(0, kv[0])  # gradients add back into the prompt's rows
             y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window, kv[1], kv[2])
         elif cache is None:

@@ -146,7 +146,8 @@ class PackedBatch:
     num_groups: int                # U for groups (DPO pairs, RL groups), 0 for SFT examples
     num_tokens: int                # real tokens computed (a shared prompt counts once)
     num_target_tokens: int         # trained tokens (rows the LM head scores)
-    num_padding: int               # 1 for a filler's dummy token, else 0
+    num_padding: int               # 1 for a filler's dummy token, else 0; a CP slice: its padding rows
+    context: object = None         # a CP slice: the context.ContextParallel whose ranks hold the rest of the stream
 
     def to(self, device, non_blocking=True):
         move = lambda t: t.to(device, non_blocking=non_blocking)
@@ -158,17 +159,22 @@ class PackedBatch:
     def inputs(self):
         """The model's keyword arguments for this micro-batch: model(**mb.inputs(), logprobs=True)."""
         return dict(input_ids=self.input_ids, position_ids=self.position_ids, cu_seqlens=self.cu_seqlens,
-                    max_seqlen=self.max_seqlen, kv=self.kv, targets=self.targets, target_rows=self.target_rows)
+                    max_seqlen=self.max_seqlen, kv=self.kv if self.context is None else (*self.kv, self.context),
+                    targets=self.targets, target_rows=self.target_rows)
 
     def key_lengths(self):
-        """(N,) keys each real sequence's queries attend over (its own length; with a shared prompt, P more)."""
+        """Keys each query segment of real tokens attends over: a sequence's length (with a shared prompt, P more); in
+        a CP slice, a piece's sequence up to the piece's end (the slice's padding is its last segment)."""
         cu = self.cu_seqlens if self.kv is None else self.kv[1]
-        return np.diff(cu.cpu().numpy())[:self.num_sequences]
+        n = self.num_sequences if self.context is None else len(cu) - 1 - (self.num_padding > 0)
+        return np.diff(cu.cpu().numpy())[:n]
 
     def sequence_sums(self, values):
-        """values per target (aligned with seq_ids) -> (N,) per-sequence sums: one index_add_, no host sync."""
+        """values per target (aligned with seq_ids) -> (N,) per-sequence sums: one index_add_, no host sync. A CP
+        slice's are summed over its group (the gradient passes through: each rank computes the same loss from them)."""
         sums = values.new_zeros(self.num_sequences + 1)  # + 1: a filler's slot
-        return sums.index_add_(0, self.seq_ids, values)[:self.num_sequences]
+        sums = sums.index_add_(0, self.seq_ids, values)[:self.num_sequences]
+        return sums if self.context is None else self.context.sum(sums)
 
     def group_sums(self, values, group_size):
         """Groups of group_size sequences: values per target -> (U, k) per-sequence sums, row u the batch's unit u."""
@@ -257,9 +263,10 @@ class PackedLoader:
     Resuming: state_dict() is the state after the last step returned (or step.state of a step in hand)."""
 
     def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0, group_size=1,
-                 prefix_sharing=False):
+                 prefix_sharing=False, context=None):
         assert 0 <= rank < world_size and batch_size >= 1 and (len(data["offsets"]) - 1) % group_size == 0
         self.data, self.batch_size, self.microbatch_tokens = data, batch_size, microbatch_tokens
+        self.context = context  # context parallel (context.py): rank/world are the data-parallel ones; this cuts slices
         self.rank, self.world_size, self.seed, self.group_size = rank, world_size, seed, group_size
         self.prefix = shared_prefixes(data, group_size) if group_size > 1 and prefix_sharing else None
         self.lengths = unit_lengths(data, group_size, self.prefix)  # (U,) tokens per unit, as computed
@@ -286,10 +293,11 @@ class PackedLoader:
             self.epoch, self.step = self.epoch + 1, 0
         units = self.step_units(self.epoch, self.step)
         bins = rank_bins(units, self.lengths, self.microbatch_tokens, self.rank, self.world_size)
+        micro = [make_batch(self.data, b, self.group_size, self.prefix) for b in bins]
+        micro = micro if self.context is None else [self.context.split(mb) for mb in micro]
         self.step += 1
-        grouped = self.group_size > 1
-        return Step(microbatches=[make_batch(self.data, b, self.group_size, self.prefix) for b in bins],
-                    num_examples=len(units) * self.group_size, num_groups=len(units) if grouped else 0,
+        return Step(microbatches=micro, num_examples=len(units) * self.group_size,
+                    num_groups=len(units) if self.group_size > 1 else 0,
                     num_target_tokens=int(self.targets[units].sum()), units=units, state=self.state_dict())
 
     def state_dict(self):

@@ -38,6 +38,7 @@ max_len = 4096  # records only: longest example kept; longer ones follow `overlo
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
 batch_size = 32  # examples per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
+context_parallel = 1  # ranks splitting each micro-batch's tokens (a sequence up to this x microbatch_tokens long)
 max_iters = 1100  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
 learning_rate = 5e-3  # the toy model from scratch; a pretrained init_from gets fine-tuning values (see configure below)
@@ -84,8 +85,9 @@ logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config
 
 def microbatch_loss(mb, normaliser):
     """-> (this micro-batch's share of the step loss, to backpropagate: its summed (weighted) token loss / the step's
-    global normaliser, times world_size because DDP and FSDP average gradients over ranks and we want their sum;
-    its summed token loss, for the log)."""
+    global normaliser, times world_size because DDP and FSDP average gradients over ranks and we want their sum (under
+    context parallelism each rank of a group holds its share of the group's gradient: they add up too); its summed
+    token loss, for the log)."""
     weights = None
     if loss_weighting == "sequence":  # each example counts once: its target tokens share weight 1
         per_seq = mb.sequence_sums((mb.targets != IGNORE_INDEX).float()).clamp(min=1.0)
@@ -104,8 +106,9 @@ def evaluate():
     lengths = np.diff(np.asarray(run.val_data["offsets"]))
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     n_targets = 0
-    for units in rank_bins(np.arange(len(lengths)), lengths, microbatch_tokens, run.rank, world_size):
-        mb = make_batch(run.val_data, units)
+    for units in rank_bins(np.arange(len(lengths)), lengths, microbatch_tokens * context_parallel, run.cp.data_rank,
+                           run.cp.data_size):
+        mb = run.cp.split(make_batch(run.val_data, units))
         n_targets += mb.num_target_tokens
         mb = mb.to(device)
         with run.autocast:

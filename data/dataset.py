@@ -77,10 +77,10 @@ def load_data(data_dir, tok):
     return train, load(data_dir, "val")[0]
 
 
-def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix_sharing=False):
+def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix_sharing=False, context_parallel=1):
     """Data the model cannot take, found at load time rather than iterations later: a tokenizer larger than the
     embedding table, a sequence longer than the model's positions, a unit (an example, a pair or group with its shared
-    prompt computed once) longer than one micro-batch."""
+    prompt computed once) longer than one micro-batch (of a CP group's GPUs)."""
     if tok.vocab_size > model_config.vocab_size:
         raise SystemExit(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_config.vocab_size} "
                          f"embeddings; use the model's own tokenizer (--tokenizer=<its folder>)")
@@ -99,11 +99,13 @@ def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix
                              f"--max_len={model_config.max_seq_len} (and --overlong=truncate or skip)")
         prefix = shared_prefixes(data, group_size) if prefix_sharing and group_size > 1 else None
         lengths = unit_lengths(data, group_size, prefix)
-        if lengths.max() > budget:
+        if lengths.max() > budget * context_parallel:
             what = {1: "example", 2: "pair (chosen + rejected)"}.get(group_size, "group")
+            group = f"{context_parallel} x " * (context_parallel > 1) + f"microbatch_tokens={budget}"
             raise SystemExit(f"{data_dir}: the longest {split} {what} ({int(lengths.argmax())}) has {lengths.max()} "
-                             f"tokens{' with its prompt once' * (prefix is not None)}, more than microbatch_tokens="
-                             f"{budget}; raise microbatch_tokens to at least {lengths.max()}, or prepare the data "
+                             f"tokens{' with its prompt once' * (prefix is not None)}, more than {group}; raise "
+                             f"microbatch_tokens to at least {lengths.max()}, split it over GPUs with "
+                             f"--context_parallel={-(-lengths.max() // budget)} (torchrun), or prepare the data "
                              f"with a smaller --max_len")
 
 

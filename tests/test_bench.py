@@ -66,3 +66,10 @@ def test_bench_scale_smoke():
     out = run("bench/bench_scale.py", "--preset", "tiny", "--world_sizes", "1,2")
     rows = [l for l in out.splitlines() if l.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 4 and not any("failed" in r for r in rows), out
+
+
+def test_bench_context_smoke():
+    out = run("bench/bench_context.py", "--tokens", "512", "--n_layer", "1", "--steps", "1")
+    rows = [l for l in out.splitlines() if l.startswith(("| 1 | 0 |", "| 2 | 0 |", "| 2 | 1 |"))]
+    assert len(rows) == 3 and not any("failed" in r for r in rows), out
+    assert "| one sequence of 512 | 1 | 2 | 0 | 1.000 | 1.499 |" in out, out  # head-tail balanced, contiguous not

@@ -1,5 +1,6 @@
 """packing.py on CPU with synthetic token arrays (no tokenizer needed)."""
 import os
+import re
 import sys
 
 import numpy as np
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from packing import IGNORE_INDEX, PackedLoader, make_batch, pack, shared_prefixes  # noqa: E402
+from packing import IGNORE_INDEX, PackedLoader, make_batch, pack, shared_prefixes, unit_lengths  # noqa: E402
 
 
 def lognormal_lengths(n, budget, seed=0, median=300, p99=4000):
@@ -256,7 +257,7 @@ def test_loader_epoch_covers_every_example_once_and_keeps_partial_batch():
     for epoch in epochs:
         assert sorted(epoch) == list(range(103))
     assert epochs[0] != epochs[1]  # reshuffled
-    assert [st[0].epoch for st in steps] == [0] * 11 + [1] * 11
+    assert [st[0].state["epoch"] for st in steps] == [0] * 11 + [1] * 11
 
 
 def test_loader_resume_mid_epoch():
@@ -275,8 +276,8 @@ def test_loader_resume_mid_epoch():
     other.load_state_dict(first.state_dict())
     for expected in steps[5:]:
         got = next(resumed)
-        assert (got.epoch, got.step, len(got.microbatches)) == (expected.epoch, expected.step,
-                                                               len(expected.microbatches))
+        assert got.state == expected.state and len(got.microbatches) == len(expected.microbatches)
+        assert np.array_equal(got.units, expected.units)
         for a, b in zip(got.microbatches, expected.microbatches):
             assert torch.equal(a.input_ids, b.input_ids) and torch.equal(a.cu_seqlens, b.cu_seqlens)
         assert next(other).num_target_tokens == expected.num_target_tokens
@@ -321,10 +322,21 @@ def test_loader_counts_without_padding():
     assert all(mb.input_ids.numel() == mb.num_tokens and mb.num_padding == 0 for mb in st.microbatches)
 
 
-def test_loader_rejects_too_long_example():
-    data = make_sft_data(np.array([10, 300, 20]))
-    with pytest.raises(ValueError, match="example 1 has 300 tokens, over microbatch_tokens=256"):
-        PackedLoader(data, batch_size=2, microbatch_tokens=256)
-    dpo = make_dpo_data(4)
-    with pytest.raises(ValueError, match="pair 0 has .* raise microbatch_tokens"):
-        PackedLoader(dpo, batch_size=2, microbatch_tokens=8, group_size=2)
+def test_too_long_units_are_refused_once_with_the_prompt_counted_once():
+    """data.dataset.check_fits is the one length check: an example over the budget is refused, a pair is measured as
+    it is computed (its shared prompt once), so a pair that fits only when sharing is refused without it alone."""
+    from types import SimpleNamespace
+    from data.dataset import check_fits
+    model, tok = SimpleNamespace(vocab_size=60_000, max_seq_len=4096), SimpleNamespace(vocab_size=50_000)
+    sft = make_sft_data(np.array([10, 300, 20]))
+    with pytest.raises(SystemExit, match=r"example \(1\) has 300 tokens, more than microbatch_tokens=256"):
+        check_fits(model, tok, "d", dict(train=sft), 256)
+    check_fits(model, tok, "d", dict(train=sft), 300)
+    pairs = make_dpo_data(20, seed=3)
+    whole, shared = unit_lengths(pairs, 2), unit_lengths(pairs, 2, shared_prefixes(pairs))
+    budget = int(shared.max())
+    assert whole.max() > budget  # a pair fits only with its prompt computed once
+    check_fits(model, tok, "d", dict(train=pairs), budget, group_size=2, prefix_sharing=True)
+    message = f"pair (chosen + rejected) ({int(whole.argmax())}) has {whole.max()} tokens, more than"
+    with pytest.raises(SystemExit, match=re.escape(message)):
+        check_fits(model, tok, "d", dict(train=pairs), budget, group_size=2)
