@@ -79,7 +79,7 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
         raise SystemExit(f"{path} is missing: ckpt.pt names it as holding the weights; the run folder is incomplete")
     dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
     missing = set(set_model_state_dict(model, state["model"], options=TRAINED).missing_keys)
-    frozen = {n.removeprefix("module.") for n, p in model.named_parameters() if not p.requires_grad}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # named as load_state_dict names them
     assert missing <= frozen, f"{path} lacks {sorted(missing - frozen)[:3]}"
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINED)
