@@ -5,7 +5,6 @@ sharded tensors (model + optimizer), each rank writing its own, plus a small out
 complete checkpoint, and any world size and layout (1 process, DDP, FSDP2) resumes it (DCP reshards on load).
 At the end of a run the weights are exported as a Hugging Face folder, out_dir/hf.
 """
-import hashlib
 import json
 import math
 import os
@@ -55,8 +54,8 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
         tmp = run.ckpt_path + ".tmp"
         torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
                         iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
-                        data_dir=run.data_dir and portable(run.data_dir, run.out_dir), start=run.start, extra=extra,
-                        base=base_fingerprint(run.start["init_from"])), tmp)
+                        data_dir=run.data_dir and portable(run.data_dir, run.out_dir), start=run.start,
+                        extra=extra), tmp)
         os.replace(tmp, run.ckpt_path)
         for old in os.listdir(run.out_dir):  # earlier checkpoints, and any a kill left half written
             if old.startswith("ckpt-") and old != name[0]:
@@ -102,22 +101,6 @@ def checkpoint_model(ckpt_path, device="cpu"):
     model.to_empty(device=device)
     restore_checkpoint(ckpt, os.path.dirname(ckpt_path), model)
     return model, ckpt
-
-
-def base_fingerprint(init_from):
-    """What identifies the weights in a model folder without reading them: config.json and each safetensors file's
-    size and header (names, shapes, offsets). None for a preset (its seed cannot change on resume)."""
-    if init_from == "scratch":
-        return None
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(init_from)):
-        path = os.path.join(init_from, name)
-        if name == "config.json" or name.endswith(".safetensors"):
-            with open(path, "rb") as f:
-                head = f.read(8)
-                h.update(name.encode() + head + str(os.path.getsize(path)).encode())
-                h.update(f.read(int.from_bytes(head, "little")) if name.endswith(".safetensors") else f.read())
-    return h.hexdigest()[:16]
 
 
 def all_finite(model, frozen_too=False):
