@@ -16,14 +16,14 @@ import importlib.util
 import math
 import os
 import sys
-import time
 
 import torch
 
 import lora
+from checkpoint import load_checkpoint
 from data.prepare import OVERLONG, data_files, peek_kind
 from model import PRESETS
-from parallel import is_master
+from parallel import is_master, one_line
 from tokenizer import Tokenizer
 
 FIXED_ON_RESUME = ("data", "data_split", "val_data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong",
@@ -86,14 +86,6 @@ def configure(config, argv=None, finetune=None, kind=None, choices=None):
     except SystemExit as e:
         one_line(e.code)
     return values
-
-
-def one_line(message):
-    """Exit with the message printed once: by rank 0, while the other ranks wait for torchrun to stop them (were they
-    to exit first, torchrun could stop rank 0 before it prints)."""
-    if not is_master():
-        time.sleep(30)
-    raise SystemExit(message) from None
 
 
 def check_config(c, kind, choices):
@@ -199,7 +191,7 @@ def restore_saved(config, values, given):
     if not os.path.exists(path):
         raise ConfigError(f"init_from='resume' but {path} does not exist; run without init_from='resume' first, "
                           f"or point out_dir at the run to continue")
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]  # mmap: reads only this
+    saved = load_checkpoint(path)["config"]
     for key, old in saved.items():
         if key not in values or key in ("init_from", "out_dir"):  # where the run is now, and that it resumes
             continue

@@ -1,9 +1,11 @@
 """
-Processes and devices: torchrun's ranks (or one plain process), printing once, summing metrics over ranks,
-the DDP / FSDP2 wrap, gradient sync on a step's last micro-batch only, and the precision a run computes in.
+Processes and devices: torchrun's ranks (or one plain process), printing once, exiting with one line, summing metrics
+over ranks, the DDP / FSDP2 wrap, gradient sync on a step's last micro-batch only, and the precision a run computes in.
 """
 import datetime
 import os
+import signal
+import time
 from contextlib import nullcontext
 
 import torch
@@ -42,6 +44,15 @@ def is_master():
 def print0(*args, **kwargs):
     if is_master():
         print(*args, **kwargs, flush=True)
+
+
+def one_line(message):
+    """Exit with the message printed once: by rank 0, while the other ranks wait for torchrun to stop them (were they
+    to exit first, torchrun could stop rank 0 before it prints)."""
+    if not is_master():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM stops this rank, whatever a run set
+        time.sleep(30)
+    raise SystemExit(message) from None
 
 
 def all_reduce_sum(values, device):
