@@ -131,8 +131,7 @@ def load_checkpoint(path):
     cannot be read: empty or cut short (a copy that stopped), or not ours."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
-        ours = isinstance(ckpt, dict) and {"weights", "config", "iter_num"} <= ckpt.keys()
-        problem = None if ours else "not a nanopack checkpoint: no weights, config or iter_num"
+        problem = None if isinstance(ckpt, dict) and "weights" in ckpt else "no 'weights' entry naming a DCP folder"
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'}"
     if problem:
