@@ -5,10 +5,11 @@ sharded tensors (model + optimizer), each rank writing its own, plus a small out
 complete checkpoint, and any world size and layout (1 process, DDP, FSDP2) resumes it (DCP reshards on load).
 At the end of a run the weights are exported as a Hugging Face folder, out_dir/hf.
 """
-import hashlib
+import io
 import json
 import math
 import os
+import pickle
 import random
 import shutil
 import warnings
@@ -24,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 import lora
 from hf import save_pretrained
 from model import ModelConfig, Transformer
-from parallel import print0
+from parallel import one_line, print0
 
 # DCP in one process (no process group) warns at every save and load that it assumes one process: we mean it
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -48,22 +49,55 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
         name = [f"ckpt-{iter_num:06d}-{n}"]
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
+    folder, tmp = os.path.join(run.out_dir, name[0]), run.ckpt_path + ".tmp"
     model_sd, optim_sd = get_state_dict(run.model, run.optimizer, options=TRAINED)  # FSDP2: each rank its own
-    dcp.save(dict(model=model_sd, optimizer=optim_sd), checkpoint_id=os.path.join(run.out_dir, name[0]),
-             no_dist=not dist.is_initialized())
+    try:
+        dcp.save(dict(model=model_sd, optimizer=optim_sd), checkpoint_id=folder, no_dist=not dist.is_initialized())
+        if run.master:  # serialised in memory: a full disk is then the OSError it is, not torch's "unexpected pos"
+            small = io.BytesIO()
+            torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
+                            iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
+                            data_dir=run.data_dir and portable(run.data_dir, run.out_dir), start=run.start,
+                            extra=extra), small)
+            with open(tmp, "wb") as f:
+                f.write(small.getbuffer())
+                f.flush()
+                os.fsync(f.fileno())  # on disk before it replaces ckpt.pt: a crash leaves no empty ckpt.pt
+            os.replace(tmp, run.ckpt_path)
+    except (OSError, RuntimeError, dcp.CheckpointException) as e:
+        if run.master:  # nothing half written stays: ckpt.pt still names the last complete checkpoint
+            shutil.rmtree(folder, ignore_errors=True)
+            os.path.exists(tmp) and os.remove(tmp)
+        stop_writing(e, f"the checkpoint of iter {iter_num}", run)
     if run.master:
-        tmp = run.ckpt_path + ".tmp"
-        torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
-                        iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
-                        data_dir=run.data_dir and portable(run.data_dir, run.out_dir), start=run.start, extra=extra,
-                        base=base_fingerprint(run.start["init_from"])), tmp)
-        os.replace(tmp, run.ckpt_path)
         for old in os.listdir(run.out_dir):  # earlier checkpoints, and any a kill left half written
             if old.startswith("ckpt-") and old != name[0]:
                 shutil.rmtree(os.path.join(run.out_dir, old), ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
     return True
+
+
+def stop_writing(e, what, run):
+    """A write that failed on the disk's side (full, over quota, read-only): one line saying so and what to do; any
+    other error is a bug and keeps its traceback."""
+    errors = under(e)
+    disk = [x.strerror or str(x) for x in errors if isinstance(x, OSError)]
+    if not disk and any("unexpected pos" in str(x) for x in errors):  # torch.save's zip writer saw a short write
+        disk = ["No space left on device (a write stopped short)"]
+    if not disk:
+        raise e
+    then = (f"{run.ckpt_path} still holds the last complete checkpoint; free space, then continue with "
+            f"--init_from=resume --out_dir={run.out_dir}" if os.path.exists(run.ckpt_path) else
+            "no checkpoint was written yet; free space, then run it again")
+    one_line(f"{disk[0]}: {what} could not be written in {run.out_dir}, nothing of it is kept; {then}")
+
+
+def under(e):
+    """e and the errors under it, outermost first: each rank's failure in a CheckpointException, and the __context__
+    torch keeps (torch.save's RuntimeError can hold the OSError its stream raised)."""
+    inner = [f[0] for f in getattr(e, "failures", {}).values()] + [e.__context__]
+    return [e] + [x for i in inner if i is not None for x in under(i)]
 
 
 def restore_checkpoint(ckpt, folder, model, optimizer=None):
@@ -75,11 +109,17 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
         model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
         state = dict(model=model_sd, optimizer=optim_sd)
     path = os.path.join(folder, ckpt["weights"])
-    if not os.path.isdir(path):
-        raise SystemExit(f"{path} is missing: ckpt.pt names it as holding the weights; the run folder is incomplete")
-    dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    try:
+        if not os.path.isfile(os.path.join(path, ".metadata")):  # asked first: DCP would log two tracebacks
+            raise FileNotFoundError(f"no file {os.path.join(path, '.metadata')}")
+        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, dcp.CheckpointException) as e:
+        cause = next(x for x in under(e) if not getattr(x, "failures", None))  # not the CheckpointException
+        reason = str(cause).splitlines()[0].split(". ")[0]  # torch's advice after its first sentence: ours
+        one_line(f"{path}: the checkpoint's weights cannot be read ({reason}); the folder is incomplete or damaged: "
+                 f"restore the run folder from a copy, or start again (--overwrite=True)")
     missing = set(set_model_state_dict(model, state["model"], options=TRAINED).missing_keys)
-    frozen = {n.removeprefix("module.") for n, p in model.named_parameters() if not p.requires_grad}
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # named as load_state_dict names them
     assert missing <= frozen, f"{path} lacks {sorted(missing - frozen)[:3]}"
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINED)
@@ -87,8 +127,17 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
 
 
 def load_checkpoint(path):
-    """ckpt.pt: the small part of a checkpoint (its "weights" entry names the DCP folder beside it)."""
-    return torch.load(path, map_location="cpu", weights_only=True)
+    """ckpt.pt: the small part of a checkpoint (its "weights" entry names the DCP folder beside it). One line if it
+    cannot be read: empty or cut short (a copy that stopped), or not ours."""
+    try:
+        ckpt = torch.load(path, map_location="cpu", weights_only=True)
+        problem = None if isinstance(ckpt, dict) and "weights" in ckpt else "no 'weights' entry naming a DCP folder"
+    except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
+        problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'}"
+    if problem:
+        one_line(f"{path} cannot be read ({problem}): it is damaged, cut short or not ours; restore it from a copy, or "
+                 f"start again (--overwrite=True)")
+    return ckpt
 
 
 def checkpoint_model(ckpt_path, device="cpu"):
@@ -102,22 +151,6 @@ def checkpoint_model(ckpt_path, device="cpu"):
     model.to_empty(device=device)
     restore_checkpoint(ckpt, os.path.dirname(ckpt_path), model)
     return model, ckpt
-
-
-def base_fingerprint(init_from):
-    """What identifies the weights in a model folder without reading them: config.json and each safetensors file's
-    size and header (names, shapes, offsets). None for a preset (its seed cannot change on resume)."""
-    if init_from == "scratch":
-        return None
-    h = hashlib.sha256()
-    for name in sorted(os.listdir(init_from)):
-        path = os.path.join(init_from, name)
-        if name == "config.json" or name.endswith(".safetensors"):
-            with open(path, "rb") as f:
-                head = f.read(8)
-                h.update(name.encode() + head + str(os.path.getsize(path)).encode())
-                h.update(f.read(int.from_bytes(head, "little")) if name.endswith(".safetensors") else f.read())
-    return h.hexdigest()[:16]
 
 
 def all_finite(model, frozen_too=False):
@@ -159,19 +192,39 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json 
 
 def export_hf(run):
     """The trained weights as out_dir/hf, a Hugging Face folder (every rank calls this; rank 0 writes), with the
-    tokenizer files and special token ids of the folder the run started from, so it loads like the original."""
-    hf_dir = os.path.join(run.out_dir, "hf")
+    tokenizer files and special token ids of the folder the run started from, so it loads like the original. Each
+    folder is written as <folder>.tmp and moved into place whole: a failed export leaves the previous one as it was."""
+    hf_dir, adapter_dir = os.path.join(run.out_dir, "hf"), os.path.join(run.out_dir, "adapter")
     if not all_finite(run.model):
         raise SystemExit(f"the weights are not all finite: no Hugging Face folder written; {run.ckpt_path} holds the "
                          f"last finite checkpoint")
-    if run.adapters:  # LoRA: the merged weights (W + scale B A) in out_dir/hf, the adapters alone as a PEFT folder
-        save_pretrained(run.raw_model, hf_dir, state=lora.merged_state_dict(run.raw_model))
-        lora.save_adapter(run.raw_model, os.path.join(run.out_dir, "adapter"), run.start["init_from"],
-                          **{k: v for k, v in run.adapters.items() if k != "quantize"})
-    else:
-        save_pretrained(run.raw_model, hf_dir)  # FSDP2: gathered one tensor at a time, to rank 0's CPU
-    if not run.master:
-        return
+    folders = [hf_dir, adapter_dir] if run.adapters else [hf_dir]
+    written = [folder + ".tmp" for folder in folders] if run.master else []
+    try:
+        for tmp in written:  # one a killed export left
+            shutil.rmtree(tmp, ignore_errors=True)
+        if run.adapters:  # LoRA: the merged weights (W + scale B A) in out_dir/hf, the adapters alone as a PEFT folder
+            save_pretrained(run.raw_model, hf_dir + ".tmp", state=lora.merged_state_dict(run.raw_model))
+            lora.save_adapter(run.raw_model, adapter_dir + ".tmp", run.start["init_from"],
+                              **{k: v for k, v in run.adapters.items() if k != "quantize"})
+        else:
+            save_pretrained(run.raw_model, hf_dir + ".tmp")  # FSDP2: gathered one tensor at a time, to rank 0's CPU
+        if run.master:
+            add_tokenizer(run, hf_dir + ".tmp")
+    except OSError as e:
+        for tmp in written:
+            shutil.rmtree(tmp, ignore_errors=True)
+        stop_writing(e, "the Hugging Face export (a previous one stays as it was)", run)
+    for folder, tmp in zip(folders, written):  # the previous export goes only once this one is whole
+        shutil.rmtree(folder, ignore_errors=True)
+        os.replace(tmp, folder)
+    adapter = f", PEFT adapter {adapter_dir}" if run.adapters else ""
+    print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}{adapter}"
+           + (" (byte-level tokenizer: sample.py uses it by default)" if run.tok.name == "byte" else ""))
+
+
+def add_tokenizer(run, hf_dir):
+    """The tokenizer files and special token ids of the folder the run started from (or of its tokenizer's)."""
     folders = [f for f in {run.start["init_from"], run.tok.name} if os.path.isdir(f)]
     for name in TOKENIZER_FILES:
         for folder in folders:
@@ -186,6 +239,3 @@ def export_hf(run):
         hf_config = json.load(f)
     with open(os.path.join(hf_dir, "config.json"), "w") as f:
         json.dump({**hf_config, **ids}, f, indent=2)
-    adapter = f", PEFT adapter {os.path.join(run.out_dir, 'adapter')}" if run.adapters else ""
-    print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}{adapter}"
-           + (" (byte-level tokenizer: sample.py uses it by default)" if run.tok.name == "byte" else ""))

@@ -13,12 +13,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import all_finite, base_fingerprint, load_checkpoint, restore_checkpoint
+from checkpoint import all_finite, load_checkpoint, restore_checkpoint
 import context
 from data.dataset import check_fits, check_kind, load_data, prepare_data
 from data.prepare import OVERLONG
 import lora
-from hf import from_pretrained, load_hf_weights, read_hf_config
+from hf import fingerprint, from_pretrained, load_hf_weights, read_hf_config
 from model import PRESETS, ModelConfig, Transformer, attention_backend, config_from_preset
 from packing import PackedLoader
 from parallel import fail, precision, print0, setup_distributed, teardown_distributed, wrap_model
@@ -47,7 +47,7 @@ class Run:
     data_dir: str
     train_data: dict
     val_data: dict
-    start: dict                # what the initial weights are: dict(init_from=..., preset=...)
+    start: dict                # what the initial weights are: dict(init_from=..., preset=..., weights=fingerprint)
     model: torch.nn.Module     # wrapped for DDP / FSDP2 when world_size > 1: call this one
     raw_model: Transformer     # the network itself: num_params, flops_per_token, generation
     optimizer: torch.optim.Optimizer
@@ -190,11 +190,13 @@ def setup(config, kind, builtin_sizes=None):
         tok, start = choose_tokenizer(ckpt["tokenizer"], "resume"), ckpt["start"]
         data_dir = ckpt["data_dir"] and os.path.join(c["out_dir"], ckpt["data_dir"])  # relative: the run's data
         model_config = ModelConfig(**ckpt["model_config"])
-        if c["lora_rank"] and ckpt.get("base") != base_fingerprint(start["init_from"]):
-            raise SystemExit(f"{start['init_from']} is not the base model this LoRA run started from (its files "
-                             f"changed); its checkpoint holds only the adapters: restore that folder to resume")
+        if c["lora_rank"] and start.get("weights") != base_weights(start["init_from"]):
+            raise SystemExit(f"{start['init_from']} is not the base model this LoRA run started from (its weights "
+                             f"changed); its checkpoint holds only the adapters: restore that folder to resume"
+                             if "weights" in start else f"{ckpt_path} is from an older nanopack, which did not record "
+                             f"its base's weights: finish the run with that version, or start it again")
     else:
-        start = dict(init_from=c["init_from"], preset=c["preset"])
+        start = dict(init_from=c["init_from"], preset=c["preset"], weights=base_weights(c["init_from"]))
         tok = choose_tokenizer(c["tokenizer"], c["init_from"])
         model_config = initial_config(start, tok)
         data_dir = None if kind == "rl" else prepare_data(c, c["out_dir"], tok, kind, model_config.max_seq_len,
@@ -296,6 +298,14 @@ def build_model(model_config, start, seed, device, parallel, world_size, param_d
 def refuse_non_finite(model, start):
     if not all_finite(model, frozen_too=True):
         raise SystemExit(f"model error: {start['init_from']} holds NaN or infinite weights; nothing to train from")
+
+
+def base_weights(init_from):
+    """The fingerprint of the model folder a run starts from (None for a preset: its seed is in the config)."""
+    try:
+        return None if init_from == "scratch" else fingerprint(init_from)
+    except (ValueError, OSError) as e:
+        raise SystemExit(f"model error: {e}") from None
 
 
 def initial_config(start, tok):

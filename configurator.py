@@ -17,8 +17,7 @@ import os
 import re
 import sys
 
-import torch
-
+from checkpoint import load_checkpoint
 from parallel import fail, is_master
 
 FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer", "batch_size", "seed",
@@ -85,6 +84,8 @@ def configure(config, argv=None, finetune=None, rules=None):
                 check_rule(values, key, rule)
     except ConfigError as e:
         fail(f"config error: {e}")
+    except SystemExit as e:  # a damaged ckpt.pt: its one line
+        fail(e.code)
     return values
 
 
@@ -138,7 +139,7 @@ def restore_saved(config, values, given):
     if not os.path.exists(path):
         raise ConfigError(f"init_from='resume' but {path} does not exist; run without init_from='resume' first, "
                           f"or point out_dir at the run to continue")
-    saved = torch.load(path, map_location="cpu", weights_only=True, mmap=True)["config"]  # mmap: reads only this
+    saved = load_checkpoint(path)["config"]
     for key, old in saved.items():
         if key not in values or key in ("init_from", "out_dir"):  # where the run is now, and that it resumes
             continue

@@ -1,7 +1,9 @@
 """
 Hugging Face checkpoints in and out: config.json <-> ModelConfig; safetensors read row by row from memory-mapped
-files (an FSDP2 rank reads only its own rows) and written tensor by tensor (FSDP2 rows gathered to rank 0's CPU).
+files (an FSDP2 rank reads only its own rows) and written tensor by tensor (FSDP2 rows gathered to rank 0's CPU); a
+folder's fingerprint.
 """
+import hashlib
 import json
 import math
 import os
@@ -220,6 +222,22 @@ class SafetensorsFolder:
     def read(self, key, start=0, stop=None):
         """Rows start:stop of a tensor (all of a 1-D one's elements in that range), as a new CPU tensor."""
         return self.files[key].get_slice(key)[start:stop]
+
+
+def fingerprint(path, rows=16):
+    """What identifies a model folder's weights, read cheaply: config.json, and each tensor's name, shape, dtype and
+    `rows` of its rows spread evenly (a 1-D tensor whole), hashed. Other weights of the same shapes (another model, a
+    retrained one) differ in every sampled row; one edited row is caught only where sampled. The same weights in
+    other shards give the same value."""
+    files = SafetensorsFolder(path)
+    with open(os.path.join(path, "config.json"), "rb") as f:
+        h = hashlib.sha256(f.read())
+    for key in sorted(files.keys()):
+        shape = files.shape(key)
+        for i in sorted({j * (shape[0] - 1) // (rows - 1) for j in range(rows)}) if len(shape) > 1 else [None]:
+            t = files.read(key) if i is None else files.read(key, i, i + 1)
+            h.update(f"{key}{shape}{t.dtype}".encode() + t.contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def from_pretrained(path, dtype=None, device="cpu"):

@@ -185,7 +185,7 @@ def merged_state_dict(model):
 def save_adapter(model, path, base_model_name_or_path, rank, alpha, dropout, targets):
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors with peft's names) that
     peft.PeftModel.from_pretrained(base, path) loads. Every rank calls it (FSDP2 gathers); rank 0 writes."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save
     import torch.distributed as dist
     tensors = {}
     for name, p in adapter_parameters(model):
@@ -194,7 +194,8 @@ def save_adapter(model, path, base_model_name_or_path, rank, alpha, dropout, tar
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     os.makedirs(path, exist_ok=True)
-    save_file(tensors, os.path.join(path, "adapter_model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:  # here: a full disk is an OSError
+        f.write(save(tensors, metadata={"format": "pt"}))
     config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
                   target_modules=sorted(targets), bias="none", fan_in_fan_out=False, use_rslora=False,
                   use_dora=False, init_lora_weights=True, inference_mode=True,

@@ -39,8 +39,20 @@ class MetricsLogger:
             os.makedirs(out_dir, exist_ok=True)
             kept = []
             if resume_iter is not None and os.path.exists(self.path):
-                with open(self.path) as f:
-                    kept = [line for line in f if line.strip() and json.loads(line).get("iter", 0) <= resume_iter]
+                with open(self.path, errors="replace") as f:
+                    lines = f.readlines()
+                for i, line in enumerate(lines, 1):
+                    try:
+                        row = json.loads(line) if line.strip() else {}
+                    except ValueError as e:
+                        if i < len(lines):
+                            raise SystemExit(f"{self.path}:{i} is not a JSON line ({e}): fix or delete that line of "
+                                             f"the log, then resume again") from None
+                        print(f"note: {self.path}:{i}, the last line, was cut short (a write that did not finish, e.g. "
+                              f"on a full disk): dropped", flush=True)
+                        continue
+                    if row and row.get("iter", 0) <= resume_iter:
+                        kept.append(line.rstrip("\n") + "\n")  # a last line cut just before its newline
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(kept)
             os.replace(self.path + ".tmp", self.path)

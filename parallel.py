@@ -4,6 +4,7 @@ the DDP / FSDP2 wrap, gradient sync on a step's last micro-batch only, and the p
 """
 import datetime
 import os
+import signal
 import time
 from contextlib import nullcontext
 
@@ -49,6 +50,7 @@ def fail(message):
     """Exit with message, printed once: by rank 0, while the other ranks wait for torchrun to stop them (were they to
     exit first, torchrun could stop rank 0 before it prints)."""
     if not is_master():
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM stops this rank, whatever a run set
         time.sleep(30)
     raise SystemExit(message) from None
 

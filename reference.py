@@ -119,20 +119,13 @@ class Reference:
 
 
 def cache_key(run):
-    """What the cached log-probs depend on, hashed: the initial weights themselves (the bytes of the model folder's
-    config and safetensors, or the preset and seed: not a path, so new weights in the same folder miss the cache), the
-    token files of both splits, the tokenizer, template and dtype."""
+    """What the cached log-probs depend on, hashed: the initial weights themselves (run.start: the model folder's
+    fingerprint, or the preset and seed: not a path, so new weights in the same folder miss the cache), the token files
+    of both splits, the tokenizer, template and dtype."""
     scratch = run.start["init_from"] == "scratch"
     h = hashlib.sha256(json.dumps(["nanopack-reference-v2", run.start, run.tok.name, run.tok.template_id, run.dtype,
                                    run.config["seed"] if scratch else None,
                                    torch.__version__ if scratch else None]).encode())
-    folder = run.start["init_from"]
-    if not scratch:
-        for name in sorted(os.listdir(folder)):
-            if name == "config.json" or name.endswith(".safetensors"):
-                with open(os.path.join(folder, name), "rb") as f:
-                    while chunk := f.read(1 << 24):
-                        h.update(chunk)
     for split_data in (run.train_data, run.val_data):
         for k in ("ids", "offsets", "loss_mask"):
             h.update(np.ascontiguousarray(split_data[k]))
