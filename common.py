@@ -127,7 +127,7 @@ def setup(config, kind, builtin_sizes=None):
             shutil.rmtree(old) if os.path.isdir(old) else os.path.exists(old) and os.remove(old)
 
     if resume:  # a resumed run continues with the data, tokenizer and initial weights of the run it continues
-        tok, start = choose_tokenizer(ckpt["tokenizer"], "resume"), ckpt["start"]
+        tok, start = choose_tokenizer(ckpt["tokenizer"], "resume", c.get("chat_template_kwargs")), ckpt["start"]
         data_dir = ckpt["data_dir"] and os.path.join(c["out_dir"], ckpt["data_dir"])  # relative: the run's data
         model_config = ModelConfig(**ckpt["model_config"])
         if c["lora_rank"] and ckpt.get("base") != base_fingerprint(start["init_from"]):
@@ -135,11 +135,12 @@ def setup(config, kind, builtin_sizes=None):
                              f"changed); its checkpoint holds only the adapters: restore that folder to resume")
     else:
         start = dict(init_from=c["init_from"], preset=c["preset"])
-        tok = choose_tokenizer(c["tokenizer"], c["init_from"])
+        tok = choose_tokenizer(c["tokenizer"], c["init_from"], c.get("chat_template_kwargs"))
         model_config = initial_config(start, tok)
         data_dir = None if kind == "rl" else prepare_data(
             c["data"], c["out_dir"], tok, kind, c["max_len"], model_config.max_seq_len, c["overlong"], c["seed"],
-            c["val_fraction"], c["data_split"], c["val_data"], **(builtin_sizes or {}))
+            c["val_fraction"], c["data_split"], c["val_data"], c.get("reasoning_turns", "conversation"),
+            **(builtin_sizes or {}))
     train_data = val_data = loader = None
     if kind != "rl":
         train_data, val_data = load_data(data_dir, tok, kind)
@@ -245,18 +246,19 @@ def initial_config(start, tok):
         raise SystemExit(f"model error: {e}") from None
 
 
-def choose_tokenizer(tokenizer, init_from):
+def choose_tokenizer(tokenizer, init_from, chat_template_kwargs=None):
     """The tokenizer asked for; else the one in init_from's Hugging Face folder; else the byte-level one
     (a folder without tokenizer files is a model we trained with it, like out/sft/hf)."""
     hf_folder = init_from not in ("scratch", "resume")
     try:
-        return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"))
+        return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"),
+                             chat_template_kwargs=chat_template_kwargs)
     except (ValueError, OSError) as e:  # an unsupported tokenizer or template: the file and the key, one line
         raise SystemExit(f"tokenizer error: {e}") from None
 
 
 def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed, val_fraction, data_split, val_data,
-                 **builtin):
+                 reasoning_turns="conversation", **builtin):
     """-> the folder of token files for `data`. 'builtin' and records (data/prepare.py) are tokenized into out_dir/data
     by rank 0 while the others wait; a folder written by data/prepare.py is used as it is. A sequence longer
     than the model's positions is handled as one longer than max_len (`overlong`), so its line is named."""
@@ -269,7 +271,8 @@ def prepare_data(data, out_dir, tok, kind, max_len, max_seq_len, overlong, seed,
                 prepare_builtin(data_dir, tokenizer=tok, kind=kind, **builtin)
             else:
                 prepare(data, data_dir, tokenizer=tok, max_len=min(max_len, max_seq_len), overlong=overlong,
-                        val_fraction=val_fraction, seed=seed, data_split=data_split, val_input=val_data)
+                        val_fraction=val_fraction, seed=seed, data_split=data_split, val_input=val_data,
+                        reasoning_turns=reasoning_turns)
         except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
             capped = f" (max_len is capped at the model's max_seq_len={max_seq_len}: it has no positions beyond)"
             raise SystemExit(f"data error: {e}{capped * (max_len > max_seq_len and 'max_len' in str(e))}") from None
@@ -286,9 +289,10 @@ def load_data(data_dir, tok, kind):
         what = dict(sft="chats ({\"messages\": [...]} lines)", dpo="preference pairs ({\"prompt\", \"chosen\", "
                     "\"rejected\"} lines)")[kind]
         raise SystemExit(f"{data_dir} holds {meta.get('kind')} data; this script needs {what}, see data/prepare.py")
-    if meta.get("tokenizer") != tok.name:
-        raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, this run uses "
-                         f"{tok.name!r}; prepare it again with the run's tokenizer")
+    if (meta.get("tokenizer"), meta.get("template")) != (tok.name, tok.template_id):
+        raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, template "
+                         f"{meta.get('template')!r}; this run uses {tok.name!r}, {tok.template_id!r} (a chat template "
+                         f"and its chat_template_kwargs); prepare it again with the run's")
     return train, val
 
 

@@ -27,7 +27,8 @@ from parallel import is_master
 from tokenizer import Tokenizer
 
 FIXED_ON_RESUME = ("data", "data_split", "val_data", "preset", "tokenizer", "batch_size", "seed", "max_len", "overlong",
-                   "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize_base")
+                   "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "quantize_base",
+                   "chat_template_kwargs", "reasoning_turns")
 
 
 class ConfigError(ValueError):

@@ -34,7 +34,7 @@ import dpo
 import data.arithmetic as builtin_task
 from checkpoint import export_hf, save_checkpoint
 from configurator import configure, one_line
-from data.prepare import DataError, as_messages, data_files, read_records
+from data.prepare import DataError, as_messages, data_files, read_records, template_inputs
 from generate import generate
 from metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import group_data, make_batch, pack, shared_prefixes
@@ -46,6 +46,7 @@ out_dir = "out/rl"
 init_from = "out/dpo/hf"  # the model `python train_dpo.py` leaves; any Hugging Face folder, 'scratch' or 'resume'
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
+chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
 data = "builtin"  # 'builtin' (the arithmetic task's hard split) or prompt records (see above)
 val_data = None  # records: held-out prompts for evaluation (builtin: the hard split's val chats)
 reward = "builtin"  # 'builtin' (the exact answer: data.arithmetic.reward) or 'module:function' (see above)
@@ -119,7 +120,12 @@ def read_prompts(source, n):
                     break
         except (ValueError, OSError) as e:
             one_line(f"data error: {e}")
-    out = [(tok.render_prompt(m), m, fields, where) for m, fields, where in found]
+    out = []
+    for m, fields, where in found:
+        try:  # a bad 'tools' field (DataError names the line), a template that refuses the prompt or leaves part out
+            out.append((tok.render_prompt(m, **template_inputs(fields, where)), m, fields, where))
+        except ValueError as e:
+            one_line(f"data error: {e}" if isinstance(e, DataError) else f"data error: {where}: {e}")
     for ids, _, _, where in out:
         group = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
         if len(ids) + max_new_tokens > raw_model.config.max_seq_len or group > microbatch_tokens:

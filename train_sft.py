@@ -35,6 +35,8 @@ data_split = None  # records: the split of a folder holding several (e.g. 'train
 val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
 max_len = 4096  # records only: longest example kept; longer ones follow `overlong`
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
+chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
+reasoning_turns = "conversation"  # records: 'each' also trains every turn rendered without its reasoning on its own
 batch_size = 32  # examples per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
 max_iters = 1100  # optimizer steps; 0 = `epochs` passes over the data
@@ -71,7 +73,8 @@ wandb_run_name = "sft"
 # Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
 # published SFT recipes for 0.1-8B models use AdamW with ~1e-5-2e-5 and cosine decay (Tulu 3, Zephyr, SmolLM2)
 config = configure(globals(), finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20, weight_decay=0.0,
-                                            max_iters=0, epochs=2.0), kind="sft")
+                                            max_iters=0, epochs=2.0), kind="sft",
+                   choices=dict(reasoning_turns=("conversation", "each")))
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "sft")
