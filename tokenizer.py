@@ -240,6 +240,7 @@ class Tokenizer:
         pieces = self._pieces(text, left, right)
         ranges = []  # char ranges: a reply, through the special token right after it (the end of turn)
         for s, e in spans:
+            e = next((a for a, b, special in pieces if special is not None and a < e < b), e)  # <|eom_id|> vs <|eot_id|>
             eot = next((p for p in pieces if p[2] is not None and p[0] >= e), None)
             ends_turn = eot is not None and not text[e:eot[0]].strip()
             ranges.append((s, eot[1] if ends_turn else e))
