@@ -108,6 +108,7 @@ class ChatTemplate:
         self.jinja = compile_chat_template(source, where)
         self.reads = jinja2.meta.find_undeclared_variables(self.jinja.environment.parse(source))  # its variables
         self.marks_replies = bool(re.search(r"\{%-?\s*generation\s*-?%\}", source))  # as transformers tells
+        self.headers, self.eot = {}, None  # generation_header's, by kwargs; end_of_turn's
         # caches of tokenized data and reference log-probs are keyed by the template's text, not its name
         digest = hashlib.sha256(json.dumps([source, variables], sort_keys=True, default=str).encode()).hexdigest()
         self.id = f"model-{digest[:12]}"
@@ -155,10 +156,10 @@ class ChatTemplate:
 
     def reply_spans(self, text, messages, trained, args, mark):
         """(start, end) in text (messages rendered with args: add_generation_prompt, tools, kwargs) of each assistant
-        reply among messages[i], i in trained: from the end of the generation header (the rendering of messages[:i]
-        with add_generation_prompt, when text starts with it), else where a rendering with the message replaced by
-        {"content": mark} differs, to where that ends."""
-        spans = []
+        reply among messages[i], i in trained: where a rendering with the message replaced by {"content": mark}
+        differs, to where that ends; the start moved back to the end of the generation header before it, if no turn
+        ends between (Qwen3 opens the last reply with <think>, whatever it holds: the model writes it)."""
+        spans, header = [], self.generation_header(args[2])
         for i in trained:
             if messages[i]["role"] != "assistant":
                 continue
@@ -167,17 +168,25 @@ class ChatTemplate:
                 continue  # the template does not write this reply
             start = common_prefix_len(text, other)
             end = max(start, len(text) - common_prefix_len(text[::-1], other[::-1]))
-            try:  # the generation header: what the rendering of messages[:i] with add_generation_prompt ends with
-                header = self.render(messages[:i], True, *args[1:]) if i else ""
-            except ValueError:  # a template that refuses this prefix
-                header = ""
-            if header and len(header) <= start and text.startswith(header):
-                start = len(header)
+            at = text.rfind(header, 0, start) if header else -1
+            if at >= 0 and self.eot not in text[at:start]:
+                start = at + len(header)
             if spans and start < spans[-1][1]:
                 raise ValueError(f"{self.where}: the template does not write the replies once each and in order, "
                                  f"so the trained tokens cannot be told apart")
             spans.append((start, end))
         return spans
+
+    def generation_header(self, kwargs):
+        """What add_generation_prompt adds after a user turn ('' if it adds nothing at the end)."""
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in self.headers:
+            try:
+                bare, prompted = (self.render([dict(role="user", content="Hi")], gen, None, kwargs) for gen in (0, 1))
+            except ValueError:  # a template that wants more than a user turn
+                bare = prompted = ""
+            self.headers[key] = prompted[len(bare):] if prompted.startswith(bare) else ""
+        return self.headers[key]
 
     def end_of_turn(self, special_re):
         """The special token (special_re matches them) the template writes right after an assistant reply."""
@@ -187,7 +196,8 @@ class ChatTemplate:
         if eot is None:
             raise ValueError(f"{self.where}: the template writes no special token after an assistant reply, so "
                              f"nanopack cannot tell where a turn ends")
-        return eot.group()
+        self.eot = eot.group()
+        return self.eot
 
 
 def aliased(message):

@@ -273,8 +273,8 @@ class Tokenizer:
 
     def _overlaps(self, seg, ids, ranges):
         """1 for each token of ids = encode(seg) that holds a character of one of ranges (char offsets)."""
-        if not ranges:
-            return [0] * len(ids)
+        if not ranges or any(s <= 0 and len(seg) <= e for s, e in ranges):  # none, or all of it
+            return [int(bool(ranges))] * len(ids)
         sizes = [1 if t == self.unk_id else len(b) for t, b in zip(ids, self.enc.decode_tokens_bytes(ids))]
         ends = list(itertools.accumulate(sizes))
         at = [(self._spelled(seg[:max(s, 0)]), self._spelled(seg[:e])) for s, e in ranges]
