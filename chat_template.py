@@ -13,6 +13,7 @@ is 0: bos, headers, default system prompts, system, user and tool turns. A templ
 itself what is trained: the blocks of those turns. Tokenizer.render turns text and reply spans into ids and mask.
 """
 import hashlib
+import itertools
 import json
 import os
 import re
@@ -121,15 +122,11 @@ class ChatTemplate:
         except jinja2.TemplateError as e:  # raise_exception(...) in the template, an undefined name, ...
             raise ValueError(f"{self.where}: the template cannot render this conversation: "
                              f"{' '.join(str(e).split())}") from None
-        if GENERATION[0] not in text:
-            return text
-        parts, at, start = re.split(f"([{''.join(GENERATION)}])", text), 0, 0  # text, mark, text, mark, ...
-        for part in parts:
-            start = at if part == GENERATION[0] else start
-            at += len(part) * (part not in GENERATION)
-            if part == GENERATION[1] and blocks is not None:
-                blocks.append((start, at))
-        return "".join(parts[0::2])
+        parts = re.split(f"[{''.join(GENERATION)}]", text)  # outside a block, inside, outside, ...
+        ends = list(itertools.accumulate(map(len, parts)))
+        if blocks is not None:
+            blocks += [(ends[i - 1], ends[i]) for i in range(1, len(parts), 2)]
+        return "".join(parts)
 
     def check(self, messages, tools, kwargs, free):
         """Refuse what the template would silently leave out of training: a variable it never reads (tools, a

@@ -218,7 +218,7 @@ def restore_saved(config, values, given):
 def apply_overrides(config, argv, given=None):
     given = set() if given is None else given
     keys = {k: v for k, v in config.items()
-            if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))}
+            if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict, type(None)))}
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:

@@ -134,10 +134,9 @@ class Tokenizer:
 
     # chats ----------------------------------------------------------------------------------------
     def configure_chat(self, chat_template_kwargs=None, escape_special_text=False):
-        """Settings for every chat this tokenizer renders, part of template_id (so of prepared data and caches):
-        chat_template_kwargs, variables for the template (e.g. enable_thinking=False), as apply_chat_template(**kwargs)
-        passes them; escape_special_text, special-token text in messages that the template does not parse encoded as
-        plain text (transformers and TRL do not: their default is added tokens recognised wherever they stand)."""
+        """Settings of every chat this tokenizer renders, part of template_id (so of prepared data and caches):
+        chat_template_kwargs, template variables as apply_chat_template(**kwargs) passes them (enable_thinking=False);
+        escape_special_text, special-token text in messages that the template does not parse kept plain text."""
         kwargs = dict(chat_template_kwargs or {})
         if self.template == "model":
             self.chat_template.check([], None, kwargs, None)
@@ -213,9 +212,8 @@ class Tokenizer:
 
     def _render_model(self, messages, add_generation_prompt, trained, tools, kwargs, check=True):
         """The folder's own template: the text transformers renders, tokenized as transformers tokenizes it; trained,
-        the indices of the messages to train. With escape_special_text, special-token text in messages is wrapped in
-        two private-use characters, each token whose wrapping leaves the rendering unchanged (the template does not
-        parse it): as transformers' sanitize_control_tokens, only for those."""
+        the indices of the messages to train. escape_special_text: each special-token text in messages whose wrapping
+        in two private-use characters leaves the rendering unchanged (the template does not parse it) is wrapped."""
         ct = self.chat_template
         used = set(re.findall("[\ue000-\uf8ff]", json.dumps([messages, tools], ensure_ascii=False) + ct.source))
         free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)  # characters the data lacks
@@ -240,7 +238,7 @@ class Tokenizer:
         pieces = self._pieces(text, left, right)
         ranges = []  # char ranges: a reply, through the special token right after it (the end of turn)
         for s, e in spans:
-            e = next((a for a, b, special in pieces if special is not None and a < e < b), e)  # <|eom_id|> vs <|eot_id|>
+            e = next((a for a, b, sp in pieces if sp is not None and a < e < b), e)  # <|eom_id|> vs mark<|eot_id|>
             eot = next((p for p in pieces if p[2] is not None and p[0] >= e), None)
             ends_turn = eot is not None and not text[e:eot[0]].strip()
             ranges.append((s, eot[1] if ends_turn else e))

@@ -172,35 +172,22 @@ def check_messages(messages, field, where):
             raise DataError(f"{where}: {at}.role is {m['role']!r}, an unknown role — use one of "
                             f"{', '.join(ROLES)} (rename it, or drop the message)")
         m = {k: v for k, v in m.items() if v is not None}
-        calls, reasoning = m.get("tool_calls"), [m[k] for k in REASONING_FIELDS if k in m]
+        calls, reasoning = m.get("tool_calls"), "".join(str(m[k]) for k in REASONING_FIELDS if k in m)
         if not isinstance(m.get("content", "" if calls else None), str):
             got = "missing" if "content" not in m else f"a {type(m['content']).__name__}"
             raise DataError(f"{where}: {at}.content is {got}, not a string — content must be plain text "
                             f"(flatten multi-part content into one string)")
-        if not all(isinstance(r, str) for r in reasoning):
-            raise DataError(f"{where}: {at}'s reasoning is not a string — write it as plain text")
-        if calls is not None:
-            check_tool_calls(calls, f"{where}: {at}.tool_calls")
-        if m["role"] == "assistant" and not (m.get("content", "").strip() or calls or "".join(reasoning).strip()):
+        for j, call in enumerate(calls if isinstance(calls, list) else [] if calls is None else [calls]):
+            fn = call.get("function", call) if isinstance(call, dict) else {}  # transformers takes both forms
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                    and isinstance(fn.get("arguments"), (dict, str))):
+                raise DataError(f"{where}: {at}.tool_calls[{j}] is {json.dumps(call, default=str)[:60]}, not a tool "
+                                f"call {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": "
+                                f"{{...}} or a JSON string}}}} — fix the line's format")
+        if m["role"] == "assistant" and not (m.get("content", "").strip() or calls or reasoning.strip()):
             raise DataError(f"{where}: {at} is an empty assistant turn — write the reply or drop the line")
         out.append(m)
     return out
-
-
-def check_tool_calls(calls, at):
-    """tool_calls as transformers takes them: [{"type": "function", "function": {"name", "arguments"}}, ...] (or name
-    and arguments without "function"), arguments a dict or a JSON object written as a string."""
-    for j, call in enumerate(calls if isinstance(calls, list) and calls else [calls]):
-        fn = call.get("function", call) if isinstance(call, dict) else {}
-        args = fn.get("arguments") if isinstance(fn, dict) else None
-        try:
-            args = json.loads(args) if isinstance(args, str) else args
-        except json.JSONDecodeError:
-            pass
-        if not (isinstance(fn.get("name"), str) and isinstance(args, dict)):
-            raise DataError(f"{at}[{j}] is {json.dumps(call, default=str)[:60]}, not a tool call {{\"type\": "
-                            f"\"function\", \"function\": {{\"name\": ..., \"arguments\": {{...}}}}}} — fix the "
-                            f"line's format (arguments: an object, or one written as a JSON string)")
 
 
 def template_inputs(record, where):
@@ -208,10 +195,10 @@ def template_inputs(record, where):
     tools, kwargs = record.get("tools"), record.get("chat_template_kwargs") or {}
     if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
         raise DataError(f"{where}: 'tools' is {json.dumps(tools, default=str)[:60]}, not a list of JSON schemas — "
-                        f"write [{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}, ...]")
+                        f"fix the line's format")
     if not isinstance(kwargs, dict) or {"messages", "tools", "add_generation_prompt", "trained_from"} & set(kwargs):
         raise DataError(f"{where}: 'chat_template_kwargs' is {json.dumps(kwargs, default=str)[:60]}, not an object "
-                        f"of template variables — write e.g. {{\"enable_thinking\": false}}")
+                        f"of template variables like {{\"enable_thinking\": false}} — fix the line's format")
     return dict(kwargs, tools=tools) if tools else dict(kwargs)
 
 

@@ -283,3 +283,29 @@ def test_escaping_special_text_keeps_the_templates_parse(folders):
     assert [ours.decode(run) for run in runs(ids, mask)] == ["<think>\nhm\n</think>\n\nok<|im_end|>"]
     reasoning = [U("hi"), A("<think>\nhm\n</think>\n\nok")]
     assert guarded.render(reasoning) == ours.render(reasoning)
+
+
+def test_train_scripts_take_chat_template_kwargs_and_reasoning_turns(folders, tmp_path):
+    """As users run them: train_sft.py with chat_template_kwargs and reasoning_turns='each' tokenizes the records with
+    both (its data folder says so); a variable the template never reads stops a script in one line, before any data."""
+    from conftest import as_args, run_script
+    folder = folders["qwen3"][0]
+    path = tmp_path / "r.jsonl"
+    path.write_text("".join(json.dumps(dict(messages=REASONING)) + "\n" for _ in range(8)))
+    out_dir = tmp_path / "sft"
+    common = dict(tokenizer=folder, preset="toy", max_iters=1, batch_size=4, eval_interval=0, val_fraction=0)
+    run_script("train_sft.py", as_args(out_dir=out_dir, data=path, reasoning_turns="each",
+                                       chat_template_kwargs="{'enable_thinking': False}", **common))
+    meta = json.loads((out_dir / "data" / "meta.json").read_text())
+    assert meta["reasoning_turns"] == "each" and meta["turn_examples"] == 16
+    assert meta["counts"]["train"]["examples"] == 24
+    assert meta["chat_template_kwargs"] == dict(enable_thinking=False) and meta["template"].endswith(
+        '+{"enable_thinking": false}')
+    pairs, prompts = tmp_path / "p.jsonl", tmp_path / "q.jsonl"
+    pairs.write_text(json.dumps(dict(prompt="2+2?", chosen="4", rejected="5")) + "\n")
+    prompts.write_text(json.dumps(dict(prompt="2+2?", answer=4)) + "\n")
+    for script, data in (("train_sft.py", path), ("train_dpo.py", pairs), ("train_rl.py", prompts)):
+        out = run_script(script, as_args(out_dir=tmp_path / script, data=data, init_from="scratch", tokenizer=folder,
+                                         preset="toy", chat_template_kwargs="{'thinking': 1}"), check=False)
+        assert out.returncode != 0 and "reads no variable 'thinking'" in out.stderr.strip().splitlines()[-1]
+        assert "Traceback" not in out.stderr
