@@ -215,7 +215,8 @@ class Tokenizer:
         the indices of the messages to train. escape_special_text: each special-token text in messages whose wrapping
         in two private-use characters leaves the rendering unchanged (the template does not parse it) is wrapped."""
         ct = self.chat_template
-        used = set(re.findall("[\ue000-\uf8ff]", json.dumps([messages, tools], ensure_ascii=False) + ct.source))
+        seen = json.dumps([messages, tools], ensure_ascii=False, default=str) + ct.source
+        used = set(re.findall("[\ue000-\uf8ff]", seen))
         free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)  # characters the data lacks
         if check:
             ct.check(messages, tools, kwargs, free)
@@ -228,7 +229,7 @@ class Tokenizer:
             def wrap(path, s):
                 return self._special_re.sub(lambda t: left + t[0] + right if t[0] in escaped else t[0], s) \
                     if isinstance(s, str) else s
-            for token in sorted(set(self._special_re.findall(json.dumps(messages, ensure_ascii=False)))):
+            for token in sorted(set(self._special_re.findall(json.dumps(messages, ensure_ascii=False, default=str)))):
                 escaped.append(token)
                 if whole.sub(lambda t: t[1], ct.render(map_values(messages, wrap), *args)) != text:
                     escaped.pop()  # the template parses it: it stays a special token, as in transformers
