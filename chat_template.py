@@ -5,17 +5,23 @@ A folder's own template (chat_template.jinja, else tokenizer_config.json "chat_t
 transformers does: a sandboxed jinja2 environment with its settings, filters and globals, and tokenizer_config.json's
 special tokens as variables. Without one (and for the byte-level tokenizer) a built-in format is used (TEMPLATES).
 
-Trained (loss mask 1): an assistant message's content as the template writes it, and the special token right after it
-with only whitespace between (the end of the turn); all else is 0 (bos, headers, default system prompts, system and
-user turns, Qwen3's empty <think></think> block). Tokenizer.render turns text and reply spans into ids and mask.
+Messages reach the template as apply_chat_template passes them: every field (None values dropped), the reasoning
+under each name templates read (REASONING_FIELDS), tools and chat_template_kwargs as variables.
+Trained (loss mask 1): each assistant turn as the template writes it, from right after the generation header (what
+add_generation_prompt writes) through the special token that ends it: its reasoning and tool-call blocks too. All else
+is 0: bos, headers, default system prompts, system, user and tool turns. A template with {% generation %} blocks says
+itself what is trained: the blocks of those turns. Tokenizer.render turns text and reply spans into ids and mask.
 """
 import hashlib
+import itertools
 import json
 import os
+import re
 from datetime import datetime
 
 import jinja2
 import jinja2.ext
+import jinja2.meta
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 # bos: prepended once per conversation (None: nothing). header: opens a turn, {role} filled in.
@@ -26,7 +32,11 @@ TEMPLATES = {
                    eot="<|eot_id|>", after=""),
     "chatml": dict(bos=None, header="<|im_start|>{role}\n", eot="<|im_end|>", after="\n"),
 }
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool", "ipython")  # built-in formats: the first three
+REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")  # the names transformers passes reasoning under
+GENERATION = ("\ufdd0", "\ufdd1")  # noncharacters (Unicode keeps them for internal use) around a generation block
+# fields a template may leave out: names and ids, not text to train on
+UNCHECKED = re.compile(r"^\[\d+\]\.(role|name|tool_call_id|id)$|\.tool_calls\[\d+\]\.(id|type)$")
 # the variables transformers passes every chat template (its special_tokens_map)
 TEMPLATE_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -56,12 +66,15 @@ def read_chat_template(folder, config):
 
 
 class GenerationBlock(jinja2.ext.Extension):
-    """{% generation %}...{% endgeneration %} (TRL marks assistant text with it): renders its body."""
+    """{% generation %}...{% endgeneration %} (TRL marks assistant text with it): its body between GENERATION marks,
+    which ChatTemplate.render takes out, noting where the body stands (transformers' assistant mask)."""
     tags = {"generation"}
 
     def parse(self, parser):
         next(parser.stream)
-        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        opening, closing = (jinja2.nodes.Output([jinja2.nodes.TemplateData(mark)]) for mark in GENERATION)
+        return [opening, *body, closing]
 
 
 def compile_chat_template(source, where):
@@ -94,35 +107,83 @@ class ChatTemplate:
     def __init__(self, source, variables, where):
         self.source, self.variables, self.where = source, variables, where
         self.jinja = compile_chat_template(source, where)
+        self.reads = jinja2.meta.find_undeclared_variables(self.jinja.environment.parse(source))  # its variables
+        self.marks_replies = bool(re.search(r"\{%-?\s*generation\s*-?%\}", source))  # as transformers tells
+        self.headers, self.eot = {}, None  # generation_header's, by kwargs; end_of_turn's
         # caches of tokenized data and reference log-probs are keyed by the template's text, not its name
         digest = hashlib.sha256(json.dumps([source, variables], sort_keys=True, default=str).encode()).hexdigest()
         self.id = f"model-{digest[:12]}"
 
-    def render(self, messages, add_generation_prompt=False):
+    def render(self, messages, add_generation_prompt=False, tools=None, kwargs=None, blocks=None):
+        """The text apply_chat_template renders; blocks: a list to append each generation block's (start, end) to."""
         try:
-            return self.jinja.render(messages=messages, tools=None, documents=None,
-                                     add_generation_prompt=add_generation_prompt, **self.variables)
+            text = self.jinja.render(messages=[aliased(m) for m in messages], tools=tools, documents=None, **{
+                **self.variables, **(kwargs or {}), "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as e:  # raise_exception(...) in the template, an undefined name, ...
             raise ValueError(f"{self.where}: the template cannot render this conversation: "
                              f"{' '.join(str(e).split())}") from None
+        parts = re.split(f"[{''.join(GENERATION)}]", text)  # outside a block, inside, outside, ...
+        ends = list(itertools.accumulate(map(len, parts)))
+        if blocks is not None:
+            blocks += [(ends[i - 1], ends[i]) for i in range(1, len(parts), 2)]
+        return "".join(parts)
 
-    def reply_spans(self, text, messages, add_generation_prompt, trained_from, mark):
-        """(start, end) in text (messages rendered) of each assistant reply from message trained_from on: where
-        a rendering with its content replaced by mark, a character text lacks, differs from text."""
-        spans = []
-        for i, m in enumerate(messages):
-            if m["role"] != "assistant" or i < trained_from:
+    def check(self, messages, tools, kwargs, free):
+        """Refuse what the template would silently leave out of training: a variable it never reads (tools, a
+        chat_template_kwargs key), or a message field it does not write. A field is written when, each of its values
+        replaced by a character the data lacks (from `free`), the rendering holds them all; an assistant turn's, in
+        the rendering of the conversation up to it (Qwen3 leaves earlier turns' reasoning out of the history)."""
+        unread = [name for name in [*kwargs, *["tools"] * bool(tools)] if name not in self.reads]
+        if unread:
+            raise ValueError(f"{self.where}: the template reads no variable {unread[0]!r} (it reads "
+                             f"{', '.join(sorted(self.reads))}); drop it from tools / chat_template_kwargs")
+        if all(m.keys() <= {"role", "content"} and m["role"] in ROLES[:3] for m in messages):
+            return
+        marks = {}
+        marked = map_values(messages, lambda path, x: x if not x or UNCHECKED.search(path) else marks.setdefault(
+            path, next(free)))
+        text = self.render(marked, False, tools, kwargs)
+        for path, m in marks.items():
+            i = int(path[1:path.index("]")])
+            if m not in text and (messages[i]["role"] != "assistant" or
+                                  m not in self.render(marked[:i + 1], False, tools, kwargs)):
+                raise ValueError(f"messages{path}, in a {messages[i]['role']!r} message, is not in what the "
+                                 f"template writes ({self.where}), so it would be dropped: remove it, or use a "
+                                 f"template that renders it")
+
+    def reply_spans(self, text, messages, trained, args, mark):
+        """(start, end) in text (messages rendered with args: add_generation_prompt, tools, kwargs) of each assistant
+        reply among messages[i], i in trained: where a rendering with the message replaced by {"content": mark}
+        differs, to where that ends; the start moved back to the end of the generation header before it, if no turn
+        ends between (Qwen3 opens the last reply with <think>, whatever it holds: the model writes it)."""
+        spans, header = [], self.generation_header(args[2])
+        for i in trained:
+            if messages[i]["role"] != "assistant":
                 continue
-            other = self.render(messages[:i] + [dict(m, content=mark)] + messages[i + 1:], add_generation_prompt)
+            other = self.render(messages[:i] + [dict(role="assistant", content=mark)] + messages[i + 1:], *args)
             if mark not in other:
                 continue  # the template does not write this reply
             start = common_prefix_len(text, other)
             end = max(start, len(text) - common_prefix_len(text[::-1], other[::-1]))
+            at = text.rfind(header, 0, start) if header else -1
+            if at >= 0 and self.eot not in text[at:start]:
+                start = at + len(header)
             if spans and start < spans[-1][1]:
                 raise ValueError(f"{self.where}: the template does not write the replies once each and in order, "
                                  f"so the trained tokens cannot be told apart")
             spans.append((start, end))
         return spans
+
+    def generation_header(self, kwargs):
+        """What add_generation_prompt adds after a user turn ('' if it adds nothing at the end)."""
+        key = json.dumps(kwargs, sort_keys=True, default=str)
+        if key not in self.headers:
+            try:
+                bare, prompted = (self.render([dict(role="user", content="Hi")], gen, None, kwargs) for gen in (0, 1))
+            except ValueError:  # a template that wants more than a user turn
+                bare = prompted = ""
+            self.headers[key] = prompted[len(bare):] if prompted.startswith(bare) else ""
+        return self.headers[key]
 
     def end_of_turn(self, special_re):
         """The special token (special_re matches them) the template writes right after an assistant reply."""
@@ -132,7 +193,24 @@ class ChatTemplate:
         if eot is None:
             raise ValueError(f"{self.where}: the template writes no special token after an assistant reply, so "
                              f"nanopack cannot tell where a turn ends")
-        return eot.group()
+        self.eot = eot.group()
+        return self.eot
+
+
+def aliased(message):
+    """A message as transformers gives it to a template: None values dropped, its reasoning under each name."""
+    message = {k: v for k, v in message.items() if v is not None}
+    reasoning = next((message[k] for k in REASONING_FIELDS if k in message), None)
+    return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
+
+
+def map_values(x, fn, path=""):
+    """x (messages: lists and dicts) with each other value v replaced by fn(path to it, v), e.g. "[2].content"."""
+    if isinstance(x, dict):
+        return {k: map_values(v, fn, f"{path}.{k}") for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [map_values(v, fn, f"{path}[{i}]") for i, v in enumerate(x)]
+    return fn(path, x)
 
 
 def guess_template(special_tokens, where):

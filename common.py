@@ -187,7 +187,7 @@ def setup(config, kind, builtin_sizes=None):
             shutil.rmtree(old) if os.path.isdir(old) else os.path.exists(old) and os.remove(old)
 
     if resume:  # a resumed run continues with the data, tokenizer and initial weights of the run it continues
-        tok, start = choose_tokenizer(ckpt["tokenizer"], "resume"), ckpt["start"]
+        tok, start = choose_tokenizer(ckpt["tokenizer"], "resume", c.get("chat_template_kwargs")), ckpt["start"]
         data_dir = ckpt["data_dir"] and os.path.join(c["out_dir"], ckpt["data_dir"])  # relative: the run's data
         model_config = ModelConfig(**ckpt["model_config"])
         if c["lora_rank"] and start.get("weights") != base_weights(start["init_from"]):
@@ -197,7 +197,7 @@ def setup(config, kind, builtin_sizes=None):
                              f"its base's weights: finish the run with that version, or start it again")
     else:
         start = dict(init_from=c["init_from"], preset=c["preset"], weights=base_weights(c["init_from"]))
-        tok = choose_tokenizer(c["tokenizer"], c["init_from"])
+        tok = choose_tokenizer(c["tokenizer"], c["init_from"], c.get("chat_template_kwargs"))
         model_config = initial_config(start, tok)
         data_dir = None if kind == "rl" else prepare_data(c, c["out_dir"], tok, kind, model_config.max_seq_len,
                                                           builtin_sizes)
@@ -318,12 +318,13 @@ def initial_config(start, tok):
         raise SystemExit(f"model error: {e}") from None
 
 
-def choose_tokenizer(tokenizer, init_from):
+def choose_tokenizer(tokenizer, init_from, chat_template_kwargs=None):
     """The tokenizer asked for; else the one in init_from's Hugging Face folder; else the byte-level one
     (a folder without tokenizer files is a model we trained with it, like out/sft/hf)."""
     hf_folder = init_from not in ("scratch", "resume")
     try:
-        return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"))
+        return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"),
+                             chat_template_kwargs=chat_template_kwargs)
     except (ValueError, OSError) as e:  # an unsupported tokenizer or template: the file and the key, one line
         raise SystemExit(f"tokenizer error: {e}") from None
 

@@ -22,7 +22,7 @@ from parallel import fail, is_master
 
 FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer", "batch_size", "seed",
                    "max_len", "overlong", "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-                   "quantize_base")
+                   "quantize_base", "chat_template_kwargs", "reasoning_turns")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
 
 
@@ -157,7 +157,7 @@ def restore_saved(config, values, given):
 def apply_overrides(config, argv, given=None):
     given = set() if given is None else given
     keys = {k: v for k, v in config.items()
-            if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))}
+            if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict, type(None)))}
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:

@@ -5,9 +5,12 @@ Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder.
     python sample.py --model=out/sft/hf --prompt="What is 12+30?"     # one chat turn, greedy
     python sample.py --model=out/sft/hf                                # interactive chat
     python sample.py --model=out/sft/ckpt.pt --temperature=0.8 --top_p=0.95 --num_samples=3
+    python sample.py --model=~/models/Qwen3-0.6B --chat_template_kwargs="{'enable_thinking': False}"
 
-A reply ends at max_new_tokens, or where prompt + reply fill the model's max_seq_len (a note says so); a chat that
-outgrows the model drops its oldest turns, and says so.
+A reply is printed as the model writes it, special tokens included (<think>...</think>, <tool_call>...), the token
+that ends it left out; in a chat it goes back into the history as written, for the template to render. It ends at
+max_new_tokens, or where prompt + reply fill the model's max_seq_len (a note says so); a chat that outgrows the
+model drops its oldest turns, and says so.
 """
 
 import os
@@ -39,6 +42,7 @@ if __name__ == "__main__":
     tokenizer = ""  # 'byte' or a folder with tokenizer files; default: the model's (see load_model)
     prompt = ""  # one user message; empty: interactive chat
     system = ""
+    chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
     max_new_tokens = 256
     temperature = 0.0
     top_k = 0
@@ -60,7 +64,7 @@ if __name__ == "__main__":
     torch.manual_seed(seed)
     try:
         net, tok = load_model(model, device)
-        tok = get_tokenizer(tokenizer) if tokenizer else tok
+        tok = (get_tokenizer(tokenizer) if tokenizer else tok).configure_chat(chat_template_kwargs)
     except (ValueError, OSError, RuntimeError, KeyError) as e:  # a folder or file we cannot read: one line
         sys.exit(f"sample.py: cannot load {model}: {e}")
     net.eval()

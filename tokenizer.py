@@ -5,9 +5,10 @@ Tokenizers, tiktoken underneath. Three ways to get one, all offline:
                             Llama-3 exported) or else its Llama-3 tiktoken tokenizer.model, and its own chat template
   get_tokenizer(spec)       "byte" or a model folder: what `data/prepare.py --tokenizer` takes
 
-render(messages) -> (ids, loss_mask), the mask by chat_template.py's rule. The rendered text is cut at the special
-tokens the template wrote and the pieces between are encoded: apply_chat_template's ids with
-sanitize_control_tokens=True (special-token text in the data stays plain text: it cannot inject a turn boundary).
+render(messages) -> (ids, loss_mask), the mask by chat_template.py's rule. A model's own template: the rendered text
+cut at every added token, wherever it stands, and the pieces between encoded: apply_chat_template's ids (so <think>
+and <tool_call> written in a message are their single ids). configure_chat(escape_special_text=True): special-token
+text in messages that the template does not parse stays plain text, so data cannot inject a turn boundary.
 """
 import base64
 import itertools
@@ -19,7 +20,8 @@ import unicodedata
 import regex  # tiktoken's own dependency; the same split regexes, for text with unspellable bytes
 import tiktoken
 
-from chat_template import ROLES, TEMPLATES, ChatTemplate, guess_template, read_chat_template, token_text
+from chat_template import (ROLES, TEMPLATES, ChatTemplate, guess_template, map_values, read_chat_template,
+                           token_text)
 
 BYTE_SPECIALS = ["<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 256..260
 # split regexes (tiktoken's regex dialect, same as the Hugging Face tokenizers one for these)
@@ -39,7 +41,7 @@ class Tokenizer:
     """encode/decode plain text, render chats. Attributes: name ("byte" or the model folder), template ("simple" |
     "llama3" | "chatml", or "model": the folder's own chat template), vocab_size, special_tokens {text: id}, eos_id
     (the template's end-of-turn token), stop_ids (eos_id + the model's end-of-text tokens: generation stops at any of
-    them), bos_id (None for Qwen-style chatml)."""
+    them), bos_id (None for Qwen-style chatml); chat_template_kwargs and escape_special_text (see configure_chat)."""
 
     def __init__(self, name, pat_str, mergeable_ranks, special_tokens, template, bos=None, nfc=False,
                  unk=None, fuse_unk=False, chat_template=None):
@@ -64,6 +66,7 @@ class Tokenizer:
             self._split_re = regex.compile(pat_str)
         self.unk_id, self.fuse_unk = unk, fuse_unk  # what tokenizers emits for a byte it cannot spell
         self._trusted_cache = {}
+        self.chat_template_kwargs, self.escape_special_text = {}, False
         if template == "model":
             if chat_template is None:
                 raise ValueError(f"{name}: template 'model' asks for the folder's own chat template, and it has none "
@@ -134,14 +137,34 @@ class Tokenizer:
         return self.decode([t for t in ids if t not in self.stop_ids])
 
     # chats ----------------------------------------------------------------------------------------
-    def render(self, messages, add_generation_prompt=False, trained_from=0):
-        """[{"role", "content"}, ...] -> (ids, loss_mask), two lists of equal length; the assistant messages from
-        index trained_from on are trained. add_generation_prompt: an open assistant turn follows (untrained)."""
-        for m in messages:
-            if m["role"] not in ROLES:
-                raise ValueError(f"unknown role {m['role']!r}; expected one of {ROLES}")
+    def configure_chat(self, chat_template_kwargs=None, escape_special_text=False):
+        """Settings of every chat this tokenizer renders, part of template_id (so of prepared data and caches):
+        chat_template_kwargs, template variables as apply_chat_template(**kwargs) passes them (enable_thinking=False);
+        escape_special_text, special-token text in messages that the template does not parse kept plain text."""
+        kwargs = dict(chat_template_kwargs or {})
         if self.template == "model":
-            return self._render_model(messages, add_generation_prompt, trained_from)
+            self.chat_template.check([], None, kwargs, None)
+        elif kwargs or escape_special_text:
+            raise ValueError(f"the built-in {self.template!r} chat format reads no chat_template_kwargs and parses no "
+                             f"special-token text; use a model folder with its own chat template")
+        self.chat_template_kwargs, self.escape_special_text = kwargs, escape_special_text
+        self.template_id = self.template_id.split("+")[0] + "".join(
+            ["+" + json.dumps(kwargs, sort_keys=True)] * bool(kwargs) + ["+escaped"] * escape_special_text)
+        return self
+
+    def render(self, messages, add_generation_prompt=False, trained_from=0, tools=None, **kwargs):
+        """[{"role", "content", ...}, ...] -> (ids, loss_mask), two lists of equal length; the assistant messages from
+        index trained_from on are trained. add_generation_prompt: an open assistant turn follows (untrained). tools
+        and kwargs (over chat_template_kwargs) reach the template as apply_chat_template(tools=..., **kwargs) does."""
+        kwargs, trained = {**self.chat_template_kwargs, **kwargs}, range(trained_from, len(messages))
+        if self.template == "model":
+            return self._render_model(messages, add_generation_prompt, trained, tools, kwargs)
+        extra = [f"messages[{i}].{k}" for i, m in enumerate(messages) for k in m if k not in ("role", "content")] + [
+            f"messages[{i}].role {m['role']!r}" for i, m in enumerate(messages) if m["role"] not in ROLES[:3]] + [
+            "tools"] * bool(tools) + [f"chat_template_kwargs {k!r}" for k in kwargs]
+        if extra:
+            raise ValueError(f"{extra[0]}: the built-in {self.template!r} chat format renders only the role and "
+                             f"content of system, user and assistant messages; use a model folder's chat template")
         t = TEMPLATES[self.template]
         ids = self._trusted(t["bos"] or "")[:]
         mask = [0] * len(ids)
@@ -149,26 +172,41 @@ class Tokenizer:
             header = self._trusted(t["header"].format(role=m["role"]))
             body = self.encode(m["content"]) + [self.eos_id]
             after = self._trusted(t["after"])
-            trained = int(m["role"] == "assistant" and i >= trained_from)
+            trains = int(m["role"] == "assistant" and i in trained)
             ids += header + body + after
-            mask += [0] * len(header) + [trained] * len(body) + [0] * len(after)
+            mask += [0] * len(header) + [trains] * len(body) + [0] * len(after)
         if add_generation_prompt:
             header = self._trusted(t["header"].format(role="assistant"))
             ids, mask = ids + header, mask + [0] * len(header)
         return ids, mask
 
-    def render_prompt(self, messages):
+    def render_prompt(self, messages, **options):
         """The ids to feed for generation: the conversation so far + an open assistant turn."""
-        return self.render(messages, add_generation_prompt=True)[0]
+        return self.render(messages, add_generation_prompt=True, **options)[0]
 
-    def render_pair(self, prompt, chosen, rejected):
+    def render_pair(self, prompt, chosen, rejected, **options):
         """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant messages) ->
         ((ids, mask) of chosen, (ids, mask) of rejected); only the responses are trained, the prompt is context."""
         def turns(x, role):
             return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
         prompt = turns(prompt, "user")
-        return tuple(self.render(prompt + turns(response, "assistant"), trained_from=len(prompt))
+        return tuple(self.render(prompt + turns(response, "assistant"), trained_from=len(prompt), **options)
                      for response in (chosen, rejected))
+
+    def render_turns(self, messages, tools=None, **kwargs):
+        """reasoning_turns='each' -> [(ids, mask)]: each assistant turn that the whole conversation renders otherwise
+        than the conversation up to it does (Qwen3 leaves earlier turns' reasoning out) is an example of its own, that
+        prefix with only it trained; the whole conversation trains the other turns (if any)."""
+        if self.template != "model":
+            return [self.render(messages, tools=tools, **kwargs)]
+        kwargs, ct = {**self.chat_template_kwargs, **kwargs}, self.chat_template
+        text = ct.render(messages, False, tools, kwargs)
+        own = [i for i, m in enumerate(messages) if m["role"] == "assistant" and
+               not text.startswith(ct.render(messages[:i + 1], False, tools, kwargs))]
+        rest = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i not in own]
+        whole = [self._render_model(messages, False, rest, tools, kwargs)]  # checks the fields first
+        return [self._render_model(messages[:i + 1], False, [i], tools, kwargs, check=False) for i in own] + whole * (
+            len(rest) > 0)
 
     def _trusted(self, s):
         # built-in template strings (ours, not the user's) may contain special tokens
@@ -176,55 +214,70 @@ class Tokenizer:
             self._trusted_cache[s] = self.enc.encode(s, allowed_special="all") if s else []
         return self._trusted_cache[s]
 
-    def _render_model(self, messages, add_generation_prompt, trained_from):
-        """The folder's own template: the text transformers renders, tokenized as transformers tokenizes it.
-        Special-token text in a message is first wrapped in two private-use characters (as transformers'
-        sanitize_control_tokens does), so that it can be told from the template's."""
-        seen = "".join(m["content"] for m in messages) + self.chat_template.source
-        left, right, mark = itertools.islice((chr(c) for c in range(0xE000, 0xF900) if chr(c) not in seen), 3)
-        messages = [dict(role=m["role"], content=self._special_re.sub(lambda t: left + t[0] + right, m["content"]))
-                    for m in messages]
-        text = self.chat_template.render(messages, add_generation_prompt)
-        spans = self.chat_template.reply_spans(text, messages, add_generation_prompt, trained_from, mark)
+    def _render_model(self, messages, add_generation_prompt, trained, tools, kwargs, check=True):
+        """The folder's own template: the text transformers renders, tokenized as transformers tokenizes it; trained,
+        the indices of the messages to train. escape_special_text: each special-token text in messages whose wrapping
+        in two private-use characters leaves the rendering unchanged (the template does not parse it) is wrapped."""
+        ct = self.chat_template
+        seen = json.dumps([messages, tools], ensure_ascii=False, default=str) + ct.source
+        used = set(re.findall("[\ue000-\uf8ff]", seen))
+        free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)  # characters the data lacks
+        if check:
+            ct.check(messages, tools, kwargs, free)
+        left, right, mark = itertools.islice(free, 3)
+        args, blocks = (add_generation_prompt, tools, kwargs), []
+        text = ct.render(messages, *args, blocks)
+        if self.escape_special_text:
+            whole, escaped = re.compile(f"{left}({self._special_re.pattern}){right}"), []
+
+            def wrap(path, s):
+                return self._special_re.sub(lambda t: left + t[0] + right if t[0] in escaped else t[0], s) \
+                    if isinstance(s, str) else s
+            for token in sorted(set(self._special_re.findall(json.dumps(messages, ensure_ascii=False, default=str)))):
+                escaped.append(token)
+                if whole.sub(lambda t: t[1], ct.render(map_values(messages, wrap), *args)) != text:
+                    escaped.pop()  # the template parses it: it stays a special token, as in transformers
+            messages, blocks = map_values(messages, wrap), []
+            text = ct.render(messages, *args, blocks)
+        spans = ct.reply_spans(text, messages, trained, args, mark)
         pieces = self._pieces(text, left, right)
-        trained = []  # char ranges: a reply, through the special token right after it (the end of turn)
+        ranges = []  # char ranges: a reply, through the special token right after it (the end of turn)
         for s, e in spans:
+            e = next((a for a, b, sp in pieces if sp is not None and a < e < b), e)  # <|eom_id|> vs mark<|eot_id|>
             eot = next((p for p in pieces if p[2] is not None and p[0] >= e), None)
             ends_turn = eot is not None and not text[e:eot[0]].strip()
-            trained.append((s, eot[1] if ends_turn else e))
+            ranges.append((s, eot[1] if ends_turn else e))
+        if ct.marks_replies:  # the template's own {% generation %} blocks: those of the trained replies
+            ranges = [(a, b) for a, b in blocks if any(a < e and s < b for s, e in ranges)]
         ids, mask = [], []
         for a, b, special in pieces:
             if special is not None:
                 ids.append(special)
-                mask.append(int(any(s <= a and b <= e for s, e in trained)))
+                mask.append(int(any(s <= a and b <= e for s, e in ranges)))
             elif a < b:
                 piece_ids = self.encode(text[a:b])
                 ids += piece_ids
-                inside = [(s - a, e - a) for s, e in trained if s < b and e > a]
+                inside = [(s - a, e - a) for s, e in ranges if s < b and e > a]
                 mask += self._overlaps(text[a:b], piece_ids, inside)
         return ids, mask
 
     def _pieces(self, text, left, right):
         """How transformers cuts a rendered chat before encoding each piece -> [(start, end, special id or None)]: at
-        the special tokens the template wrote, and around special-token text from a message (marked left...right),
-        which is a piece of plain text of its own."""
+        each special token, and around escaped special-token text (marked left...right), a piece of plain text."""
         pieces, pos = [], 0
-        marked = re.finditer(f"{left}({self._special_re.pattern}){right}|[{left}{right}]", text)
-        for m in itertools.chain(marked, [None]):
+        for m in itertools.chain(re.finditer(f"{left}({self._special_re.pattern}){right}", text), [None]):
             stop = m.start() if m else len(text)
             for t in self._special_re.finditer(text, pos, stop):
                 pieces += [(pos, t.start(), None), (t.start(), t.end(), self.special_tokens[t[0]])]
                 pos = t.end()
-            pieces.append((pos, stop, None))
-            if m and m[1]:  # marked text; a lone marker (the template split marked text) only cuts
-                pieces.append((m.start(1), m.end(1), None))
+            pieces += [(pos, stop, None)] + ([(m.start(1), m.end(1), None)] if m else [])
             pos = m.end() if m else stop
         return pieces
 
     def _overlaps(self, seg, ids, ranges):
         """1 for each token of ids = encode(seg) that holds a character of one of ranges (char offsets)."""
-        if not ranges:
-            return [0] * len(ids)
+        if not ranges or any(s <= 0 and len(seg) <= e for s, e in ranges):  # none, or all of it
+            return [int(bool(ranges))] * len(ids)
         sizes = [1 if t == self.unk_id else len(b) for t, b in zip(ids, self.enc.decode_tokens_bytes(ids))]
         ends = list(itertools.accumulate(sizes))
         at = [(self._spelled(seg[:max(s, 0)]), self._spelled(seg[:e])) for s, e in ranges]
@@ -343,10 +396,11 @@ class Tokenizer:
         raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model in this folder")
 
 
-def get_tokenizer(spec, template=None):
+def get_tokenizer(spec, template=None, **chat):
     """'byte' -> the built-in byte-level tokenizer; anything else is a model folder. A tokenizer's .name is such a
-    spec ("byte" or the folder's absolute path), so get_tokenizer(tok.name) rebuilds it."""
-    return Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_dir(spec, template)
+    spec ("byte" or the folder's absolute path), so get_tokenizer(tok.name) rebuilds it. chat: configure_chat's."""
+    tok = Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_dir(spec, template)
+    return tok.configure_chat(**chat) if chat else tok
 
 
 def utf8(text):

@@ -33,6 +33,7 @@ out_dir = "out/dpo"
 init_from = "out/sft/hf"  # the model `python train_sft.py` leaves; any Hugging Face folder, 'scratch' or 'resume'
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
+chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
 data = "builtin"  # 'builtin' (arithmetic preference pairs), records or a prepared folder:
 #   .jsonl, .parquet, a folder of shards, a glob (see data/prepare.py), or the folder it writes
 data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix

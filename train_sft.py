@@ -36,6 +36,8 @@ val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); de
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')
 max_len = 4096  # records only: longest example kept; longer ones follow `overlong`
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
+chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
+reasoning_turns = "conversation"  # records: 'each' also trains every turn rendered without its reasoning on its own
 batch_size = 32  # examples per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
 context_parallel = 1  # ranks splitting each micro-batch's tokens (a sequence up to this x microbatch_tokens long)
@@ -73,7 +75,8 @@ wandb_run_name = "sft"
 # Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
 # published SFT recipes for 0.1-8B models use AdamW with ~1e-5-2e-5 and cosine decay (Tulu 3, Zephyr, SmolLM2)
 config = configure(globals(), finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20, weight_decay=0.0,
-                                            max_iters=0, epochs=2.0), rules=common.RULES)
+                                            max_iters=0, epochs=2.0),
+                   rules=dict(common.RULES, reasoning_turns=("conversation", "each")))
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "sft")

@@ -9,7 +9,8 @@ import numpy as np
 import torch.distributed as dist
 
 from data.arithmetic import prepare_builtin, rl_prompts
-from data.prepare import DataError, as_messages, data_files, load, peek_kind, prepare, read_meta, read_records
+from data.prepare import (DataError, as_messages, data_files, load, peek_kind, prepare, read_meta, read_records,
+                          template_inputs)
 from packing import shared_prefixes, unit_lengths
 from parallel import is_master, print0
 
@@ -58,7 +59,8 @@ def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
             else:
                 prepare(c["data"], data_dir, tokenizer=tok, max_len=min(c["max_len"], max_seq_len),
                         overlong=c["overlong"], val_fraction=c["val_fraction"], seed=c["seed"],
-                        data_split=c["data_split"], val_input=c["val_data"], val_split=c["val_split"])
+                        data_split=c["data_split"], val_input=c["val_data"], val_split=c["val_split"],
+                        reasoning_turns=c.get("reasoning_turns", "conversation"))
         except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
             capped = c["max_len"] > max_seq_len and "max_len" in str(e)
             raise SystemExit(f"data error: {e}" + f" (max_len is capped at the model's max_seq_len={max_seq_len}: it "
@@ -71,9 +73,10 @@ def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
 def load_data(data_dir, tok):
     """-> (train, val) token data of a prepared folder, tokenized with the run's tokenizer."""
     train, meta = load(data_dir, "train")
-    if meta.get("tokenizer") != tok.name:
-        raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, this run uses "
-                         f"{tok.name!r}; prepare it again with the run's tokenizer")
+    if (meta.get("tokenizer"), meta.get("template")) != (tok.name, tok.template_id):
+        raise SystemExit(f"{data_dir} was prepared with tokenizer {meta.get('tokenizer')!r}, template "
+                         f"{meta.get('template')!r}; this run uses {tok.name!r}, {tok.template_id!r} (a chat template "
+                         f"and its chat_template_kwargs); prepare it again with the run's")
     return train, load(data_dir, "val")[0]
 
 
@@ -135,7 +138,11 @@ def read_prompts(source, n, tok, limit, split=None, key="data_split"):
         if not found:
             raise SystemExit(f"data error: {source}: no prompts found (an empty file?); write one {{\"prompt\": ...}} "
                              f"or {{\"messages\": [...]}} record a line")
-    prompts = [(tok.render_prompt(m), m, fields, where) for m, fields, where in found]
-    for ids, _, _, where in prompts:
-        limit(ids, where)
+    prompts = []
+    for m, fields, where in found:
+        try:  # a bad 'tools' field (DataError names the line), a template that refuses the prompt or leaves part out
+            prompts.append((tok.render_prompt(m, **template_inputs(fields, where)), m, fields, where))
+        except ValueError as e:
+            raise SystemExit(f"data error: {e}" if isinstance(e, DataError) else f"data error: {where}: {e}") from None
+        limit(prompts[-1][0], where)
     return prompts

@@ -14,9 +14,17 @@ splits by name (train_prefs-00000-of-00001.parquet: split train_prefs); several 
 Records (the first decides SFT or DPO, one kind per input; other fields, e.g. id, ignored):
   SFT  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}  (e.g. Tulu 3 SFT mixture)
   DPO  {"chosen": [messages], "rejected": [messages]}: the prompt is their longest common prefix, then assistant turns
+       (and the tool results between them)
   DPO  {"prompt": str | [messages], "chosen": str | [assistant messages], "rejected": the same}; whole conversations
        in chosen/rejected are read as above (ultrafeedback_binarized, whose "messages" must equal "chosen")
   DPO  {"chosen": "\n\nHuman: ...\n\nAssistant: ...", "rejected": ...}  (Anthropic HH-RLHF): split into turns, as above
+A message keeps every field for the model's own chat template, as apply_chat_template takes them: "reasoning_content"
+(or "thinking", "reasoning"), "tool_calls" ([{"type": "function", "function": {"name", "arguments": a dict or JSON
+string}}], content then optional), roles "tool" ("tool_call_id", "name") and Llama-3.1's "ipython". A record may add
+"tools" (JSON schemas) and "chat_template_kwargs" (e.g. {"enable_thinking": false}, over --chat_template_kwargs). A
+field, role or variable the template does not write is an error. Templates that leave earlier turns' reasoning out of
+the history (Qwen3) train those turns as rendered there, as transformers renders the conversation; --reasoning_turns
+each makes each such turn an example of its own: the conversation up to it, its reasoning included.
 
 Output in out_dir, per split (train, val): <split>_ids.npy (uint16 if the vocab fits, else uint32),
 <split>_offsets.npy (int64, example i = ids[offsets[i]:offsets[i+1]]), <split>_mask.npy (uint8, 1 on trained
@@ -28,6 +36,7 @@ first max_len tokens of each sequence; a DPO pair left without response tokens o
 skipped); skip (drop the example, a DPO pair as a whole).
 """
 import argparse
+import copy
 import glob
 import itertools
 import json
@@ -41,9 +50,12 @@ from array import array
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python data/prepare.py
+from chat_template import REASONING_FIELDS  # noqa: E402
 from tokenizer import ROLES, get_tokenizer  # noqa: E402
 
 OVERLONG = ("error", "truncate", "skip")
+REASONING_TURNS = ("conversation", "each")
+RESPONSE_ROLES = ("assistant", "tool", "ipython")  # a DPO response: assistant turns and the tool results between
 HH_TURN = re.compile(r"\n\n(Human|Assistant): ?")  # HH-RLHF's turn markers; the one space after the colon goes
 
 
@@ -151,7 +163,7 @@ def read_records(files, verbose=True):
 
 
 def check_messages(messages, field, where):
-    """Validate a message list; return it as plain {"role", "content"} dicts (extra keys dropped)."""
+    """Validate a message list; return it as dicts with every field but those set to None (as apply_chat_template)."""
     if not isinstance(messages, list) or not messages:
         raise DataError(f"{where}: '{field}' must be a non-empty list of {{\"role\", \"content\"}} messages, "
                         f"got {json.dumps(messages, default=str)[:60]} — fix the line's format")
@@ -164,14 +176,35 @@ def check_messages(messages, field, where):
         if m["role"] not in ROLES:
             raise DataError(f"{where}: {at}.role is {m['role']!r}, an unknown role — use one of "
                             f"{', '.join(ROLES)} (rename it, or drop the message)")
-        if not isinstance(m.get("content"), str):
+        m = {k: v for k, v in m.items() if v is not None}
+        calls, reasoning = m.get("tool_calls"), "".join(str(m[k]) for k in REASONING_FIELDS if k in m)
+        if not isinstance(m.get("content", "" if calls else None), str):
             got = "missing" if "content" not in m else f"a {type(m['content']).__name__}"
             raise DataError(f"{where}: {at}.content is {got}, not a string — content must be plain text "
                             f"(flatten multi-part content into one string)")
-        if m["role"] == "assistant" and not m["content"].strip():
+        for j, call in enumerate(calls if isinstance(calls, list) else [] if calls is None else [calls]):
+            fn = call.get("function", call) if isinstance(call, dict) else {}  # transformers takes both forms
+            if not (isinstance(fn, dict) and isinstance(fn.get("name"), str)
+                    and isinstance(fn.get("arguments"), (dict, str))):
+                raise DataError(f"{where}: {at}.tool_calls[{j}] is {json.dumps(call, default=str)[:60]}, not a tool "
+                                f"call {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": "
+                                f"{{...}} or a JSON string}}}} — fix the line's format")
+        if m["role"] == "assistant" and not (m.get("content", "").strip() or calls or reasoning.strip()):
             raise DataError(f"{where}: {at} is an empty assistant turn — write the reply or drop the line")
-        out.append(dict(role=m["role"], content=m["content"]))
+        out.append(m)
     return out
+
+
+def template_inputs(record, where):
+    """A record's "tools" and "chat_template_kwargs" -> keyword arguments for Tokenizer.render."""
+    tools, kwargs = record.get("tools"), record.get("chat_template_kwargs") or {}
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DataError(f"{where}: 'tools' is {json.dumps(tools, default=str)[:60]}, not a list of JSON schemas — "
+                        f"fix the line's format")
+    if not isinstance(kwargs, dict) or {"messages", "tools", "add_generation_prompt", "trained_from"} & set(kwargs):
+        raise DataError(f"{where}: 'chat_template_kwargs' is {json.dumps(kwargs, default=str)[:60]}, not an object "
+                        f"of template variables like {{\"enable_thinking\": false}} — fix the line's format")
+    return dict(kwargs, tools=tools) if tools else dict(kwargs)
 
 
 def as_messages(x, field, role, where):
@@ -217,7 +250,7 @@ def parse(record, where):
         if chosen == rejected:
             raise DataError(f"{where}: chosen and rejected are identical — a preference pair needs two "
                             f"different responses; drop the line")
-        if "prompt" in record and all(m["role"] == "assistant" for m in chosen + rejected):
+        if "prompt" in record and all(m["role"] in RESPONSE_ROLES for m in chosen + rejected):
             prompt = as_messages(record["prompt"], "prompt", "user", where)
         else:  # whole conversations: the prompt is the longest common prefix
             n = 0
@@ -228,7 +261,7 @@ def parse(record, where):
             if not tail:
                 raise DataError(f"{where}: '{field}' has no response after the prompt it shares with the "
                                 f"other side — each side needs its own assistant reply")
-            roles = {m["role"] for m in tail} - {"assistant"}
+            roles = ({m["role"] for m in tail} - set(RESPONSE_ROLES)) or {tail[0]["role"]} - {"assistant"}
             if roles:
                 raise DataError(f"{where}: chosen and rejected differ in a {roles.pop()} turn, not only in "
                                 f"assistant turns — both must share the same prompt messages, then differ "
@@ -243,12 +276,15 @@ def parse(record, where):
                     f"{sorted(record)} — see the formats at the top of data/prepare.py")
 
 
-def tokenize(tok, kind, example, where, max_len, overlong):
-    """-> (sequences, status): sequences is [(ids, mask)] (SFT) or [chosen, rejected] (DPO), or None
-    when skipped; status is "ok", "truncated" or "skipped"."""
+def tokenize(tok, kind, example, where, max_len, overlong, inputs=None, reasoning_turns="conversation"):
+    """-> (sequences, status): sequences is [(ids, mask)] (SFT: one, or with reasoning_turns='each' one per turn
+    rendered otherwise in the history) or [chosen, rejected] (DPO), or None when skipped; status is "ok",
+    "truncated" or "skipped". inputs: template_inputs'."""
+    inputs = inputs or {}
     try:
-        seqs = [tok.render(example)] if kind == "sft" else list(tok.render_pair(*example))
-    except ValueError as e:  # a model's own chat template refused the conversation (raise_exception)
+        seqs = (list(tok.render_pair(*example, **inputs)) if kind == "dpo" else tok.render_turns(example, **inputs)
+                if reasoning_turns == "each" else [tok.render(example, **inputs)])
+    except ValueError as e:  # the template refused the conversation (raise_exception), or leaves part of it out
         raise DataError(f"{where}: {e}") from None
     longest = max(len(ids) for ids, _ in seqs)
     if longest <= max_len:
@@ -260,7 +296,8 @@ def tokenize(tok, kind, example, where, max_len, overlong):
     if overlong == "skip":
         return None, "skipped"
     seqs = [(ids[:max_len], mask[:max_len]) for ids, mask in seqs]
-    if any(sum(mask) == 0 for _, mask in seqs) or (kind == "dpo" and seqs[0] == seqs[1]):
+    seqs = [s for s in seqs if sum(s[1])] if kind == "sft" else seqs  # reasoning_turns='each': keep what trains
+    if not seqs or any(sum(mask) == 0 for _, mask in seqs) or (kind == "dpo" and seqs[0] == seqs[1]):
         return None, "skipped"  # truncation left nothing to learn or nothing to compare
     return seqs, "truncated"
 
@@ -309,7 +346,8 @@ class TokenWriter:
                 os.remove(f"{self.prefix}_{name}.tmp")
 
 
-def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra_meta=None, verbose=True):
+def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra_meta=None, verbose=True,
+                      reasoning_turns="conversation"):
     """items: iterable of (where, split, record) -> token files + meta.json in out_dir; returns meta
     (extra_meta included). meta.json is written last: its presence means the files are complete."""
     os.makedirs(out_dir, exist_ok=True)
@@ -317,7 +355,7 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
         os.remove(os.path.join(out_dir, "meta.json"))
     writers = {split: TokenWriter(out_dir, split, tok.vocab_size) for split in ("train", "val")}
     kind, first, lengths, longest_example = None, None, array("q"), 0
-    status_counts = dict(ok=0, truncated=0, skipped=0)
+    status_counts, turn_examples = dict(ok=0, truncated=0, skipped=0), 0
     try:
         for where, split, record in items:
             k, example = parse(record, where)
@@ -326,8 +364,12 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
             elif k != kind:
                 raise DataError(f"{where}: a {k.upper()} line in a file that began as {kind.upper()} at "
                                 f"{first} — keep SFT and DPO data in separate files")
-            seqs, status = tokenize(tok, kind, example, where, max_len, overlong)
+            if kind == "dpo" and reasoning_turns == "each":
+                raise DataError(f"{where}: reasoning_turns='each' is for SFT conversations, and this is a DPO pair")
+            seqs, status = tokenize(tok, kind, example, where, max_len, overlong, template_inputs(record, where),
+                                    reasoning_turns)
             status_counts[status] += 1
+            turn_examples += max(len(seqs or []) - 1, 0) * (kind == "sft")
             for ids, mask in seqs or []:
                 writers[split].add(ids, mask)
                 lengths.append(len(ids))
@@ -349,7 +391,8 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
                 max_len=max_len, overlong=overlong, truncated=status_counts["truncated"],
                 skipped=status_counts["skipped"], counts=counts, length_min_median_p99_max=q,
                 longest_example=longest_example,  # DPO: chosen + rejected; packing needs a budget >= this
-                **(extra_meta or {}))
+                chat_template_kwargs=tok.chat_template_kwargs, escape_special_text=tok.escape_special_text,
+                reasoning_turns=reasoning_turns, turn_examples=turn_examples, **(extra_meta or {}))
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     if verbose:
@@ -360,20 +403,28 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
               + (f"; longest pair {longest_example:,}" if kind == "dpo" else ""))
         print(f"longer than max_len={max_len}: {meta['truncated']:,} truncated, {meta['skipped']:,} skipped "
               f"(--overlong {overlong})")
+        if reasoning_turns == "each":
+            print(f"reasoning_turns='each': {turn_examples:,} more examples, each an assistant turn the conversation "
+                  f"renders without its reasoning, trained as the last turn of the conversation up to it")
         if counts["val"]["examples"] == 0 and meta.get("val_fraction"):
             print("note: the val split is empty (raise --val_fraction for a small file)")
     return meta
 
 
 def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error", val_fraction=0.01,
-            seed=1337, verbose=True, data_split=None, val_input=None, val_split=None):
+            seed=1337, verbose=True, data_split=None, val_input=None, val_split=None, reasoning_turns="conversation",
+            **chat):
     """Records (see data_files) -> token files in out_dir; returns meta. tokenizer: a Tokenizer, "byte" or a
-    folder. val_input: records for the val split (val_split: its split), instead of holding out val_fraction."""
+    folder. val_input: records for the val split (val_split: its split), instead of holding out val_fraction. chat:
+    Tokenizer.configure_chat's settings (chat_template_kwargs, escape_special_text), in place of the tokenizer's."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1): the share of records held out for val")
     if val_split is not None and val_input is None:
         raise DataError(f"val_split={val_split!r} picks a split of val_input, and no val_input is given")
+    if reasoning_turns not in REASONING_TURNS:
+        raise DataError(f"reasoning_turns={reasoning_turns!r}; choose one of {', '.join(REASONING_TURNS)}")
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+    tok = copy.copy(tok).configure_chat(**chat) if chat else tok
     files = data_files(input_path, data_split)  # before out_dir is touched: a wrong path writes nothing
     val_files = None if val_input is None else data_files(val_input, val_split, "val_split")
     if val_input is None:
@@ -386,7 +437,7 @@ def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error
     extra_meta = dict(source=os.path.abspath(input_path), data_split=data_split, seed=seed, val_split=val_split,
                       val_source=os.path.abspath(val_input) if val_input is not None else None,
                       val_fraction=val_fraction if val_input is None else None)
-    return write_token_files(items, out_dir, tok, max_len, overlong, extra_meta, verbose)
+    return write_token_files(items, out_dir, tok, max_len, overlong, extra_meta, verbose, reasoning_turns)
 
 
 def peek_kind(path, data_split=None):
@@ -427,10 +478,18 @@ if __name__ == "__main__":
     p.add_argument("--val_input", default=None, help="val records (file, folder or glob) instead of --val_fraction")
     p.add_argument("--val_split", default=None, help="the split to read from a --val_input folder holding several")
     p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--chat_template_kwargs", type=json.loads, default={}, help="template variables for every record, "
+                   "as JSON: '{\"enable_thinking\": false}'")
+    p.add_argument("--reasoning_turns", choices=REASONING_TURNS, default="conversation", help="each: a turn the "
+                   "conversation renders without its reasoning is also an example of its own (SFT)")
+    p.add_argument("--escape_special_text", action="store_true", help="special-token text in messages that the "
+                   "template does not parse stays plain text (untrusted data)")
     args = p.parse_args()
     try:
         prepare(args.input, args.out_dir, args.tokenizer, args.max_len, args.overlong, args.val_fraction,
-                args.seed, data_split=args.data_split, val_input=args.val_input, val_split=args.val_split)
+                args.seed, data_split=args.data_split, val_input=args.val_input, val_split=args.val_split,
+                reasoning_turns=args.reasoning_turns, chat_template_kwargs=args.chat_template_kwargs,
+                escape_special_text=args.escape_special_text)
     except (ValueError, OSError) as e:  # DataError, a missing file, an unsupported tokenizer: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

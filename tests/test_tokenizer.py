@@ -383,360 +383,19 @@ def test_render_matches_hf_on_the_rendered_string(trained, name, template):
 # --------------------------------------------------------------------------------------------------
 # the model's own chat template, against transformers' apply_chat_template
 
-# The templates as the models publish them (tokenizer_config.json "chat_template"). Llama-3.1/3.3-Instruct
-# and Llama-3.2-Instruct (strftime_now for today's date), Qwen3: copied from llama.cpp's models/templates/
-# (meta-llama-Llama-3.3-70B-Instruct.jinja, meta-llama-Llama-3.2-3B-Instruct.jinja, Qwen-Qwen3-0.6B.jinja).
-# Qwen2.5-Instruct (default system prompt "You are Qwen, ...") and SmolLM2-Instruct (default system prompt
-# "You are a helpful AI assistant named SmolLM, ..."): their tokenizer_config.json as quoted in other projects.
+# The templates as the models publish them: tests/templates/ (README.md there says where each comes from).
+TEMPLATES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "templates")
 
-LLAMA31_TEMPLATE = r"""{{- bos_token }}
-{%- if custom_tools is defined %}
-    {%- set tools = custom_tools %}
-{%- endif %}
-{%- if not tools_in_user_message is defined %}
-    {%- set tools_in_user_message = true %}
-{%- endif %}
-{%- if not date_string is defined %}
-    {%- set date_string = "26 Jul 2024" %}
-{%- endif %}
-{%- if not tools is defined %}
-    {%- set tools = none %}
-{%- endif %}
 
-{#- This block extracts the system message, so we can slot it into the right place. #}
-{%- if messages[0]['role'] == 'system' %}
-    {%- set system_message = messages[0]['content']|trim %}
-    {%- set messages = messages[1:] %}
-{%- else %}
-    {%- set system_message = "" %}
-{%- endif %}
+def real_template(name):
+    with open(os.path.join(TEMPLATES_DIR, f"{name}.jinja"), encoding="utf-8") as f:
+        return f.read()
 
-{#- System message + builtin tools #}
-{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
-{%- if builtin_tools is defined or tools is not none %}
-    {{- "Environment: ipython\n" }}
-{%- endif %}
-{%- if builtin_tools is defined %}
-    {{- "Tools: " + builtin_tools | reject('equalto', 'code_interpreter') | join(", ") + "\n\n"}}
-{%- endif %}
-{{- "Cutting Knowledge Date: December 2023\n" }}
-{{- "Today Date: " + date_string + "\n\n" }}
-{%- if tools is not none and not tools_in_user_message %}
-    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\n\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\n\n" }}
-    {%- endfor %}
-{%- endif %}
-{{- system_message }}
-{{- "<|eot_id|>" }}
 
-{#- Custom tools are passed in a user message with some extra guidance #}
-{%- if tools_in_user_message and not tools is none %}
-    {#- Extract the first user message so we can plug it in here #}
-    {%- if messages | length != 0 %}
-        {%- set first_user_message = messages[0]['content']|trim %}
-        {%- set messages = messages[1:] %}
-    {%- else %}
-        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
-{%- endif %}
-    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
-    {{- "Given the following functions, please respond with a JSON for a function call " }}
-    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\n\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\n\n" }}
-    {%- endfor %}
-    {{- first_user_message + "<|eot_id|>"}}
-{%- endif %}
-
-{%- for message in messages %}
-    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
-        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
-    {%- elif 'tool_calls' in message %}
-        {%- if not message.tool_calls|length == 1 %}
-            {{- raise_exception("This model only supports single tool-calls at once!") }}
-        {%- endif %}
-        {%- set tool_call = message.tool_calls[0].function %}
-        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}
-            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-            {{- "<|python_tag|>" + tool_call.name + ".call(" }}
-            {%- for arg_name, arg_val in tool_call.arguments | items %}
-                {{- arg_name + '="' + arg_val + '"' }}
-                {%- if not loop.last %}
-                    {{- ", " }}
-                {%- endif %}
-                {%- endfor %}
-            {{- ")" }}
-        {%- else  %}
-            {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-            {{- '{"name": "' + tool_call.name + '", ' }}
-            {{- '"parameters": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- "}" }}
-        {%- endif %}
-        {%- if builtin_tools is defined %}
-            {#- This means we're in ipython mode #}
-            {{- "<|eom_id|>" }}
-        {%- else %}
-            {{- "<|eot_id|>" }}
-        {%- endif %}
-    {%- elif message.role == "tool" or message.role == "ipython" %}
-        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
-        {%- if message.content is mapping or message.content is iterable %}
-            {{- message.content | tojson }}
-        {%- else %}
-            {{- message.content }}
-        {%- endif %}
-        {{- "<|eot_id|>" }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
-{%- endif %}
-"""
-
-LLAMA32_TEMPLATE = r"""{{- bos_token }}
-{%- if custom_tools is defined %}
-    {%- set tools = custom_tools %}
-{%- endif %}
-{%- if not tools_in_user_message is defined %}
-    {%- set tools_in_user_message = true %}
-{%- endif %}
-{%- if not date_string is defined %}
-    {%- if strftime_now is defined %}
-        {%- set date_string = strftime_now("%d %b %Y") %}
-    {%- else %}
-        {%- set date_string = "26 Jul 2024" %}
-    {%- endif %}
-{%- endif %}
-{%- if not tools is defined %}
-    {%- set tools = none %}
-{%- endif %}
-
-{#- This block extracts the system message, so we can slot it into the right place. #}
-{%- if messages[0]['role'] == 'system' %}
-    {%- set system_message = messages[0]['content']|trim %}
-    {%- set messages = messages[1:] %}
-{%- else %}
-    {%- set system_message = "" %}
-{%- endif %}
-
-{#- System message #}
-{{- "<|start_header_id|>system<|end_header_id|>\n\n" }}
-{%- if tools is not none %}
-    {{- "Environment: ipython\n" }}
-{%- endif %}
-{{- "Cutting Knowledge Date: December 2023\n" }}
-{{- "Today Date: " + date_string + "\n\n" }}
-{%- if tools is not none and not tools_in_user_message %}
-    {{- "You have access to the following functions. To call a function, please respond with JSON for a function call." }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\n\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\n\n" }}
-    {%- endfor %}
-{%- endif %}
-{{- system_message }}
-{{- "<|eot_id|>" }}
-
-{#- Custom tools are passed in a user message with some extra guidance #}
-{%- if tools_in_user_message and not tools is none %}
-    {#- Extract the first user message so we can plug it in here #}
-    {%- if messages | length != 0 %}
-        {%- set first_user_message = messages[0]['content']|trim %}
-        {%- set messages = messages[1:] %}
-    {%- else %}
-        {{- raise_exception("Cannot put tools in the first user message when there's no first user message!") }}
-{%- endif %}
-    {{- '<|start_header_id|>user<|end_header_id|>\n\n' -}}
-    {{- "Given the following functions, please respond with a JSON for a function call " }}
-    {{- "with its proper arguments that best answers the given prompt.\n\n" }}
-    {{- 'Respond in the format {"name": function name, "parameters": dictionary of argument name and its value}.' }}
-    {{- "Do not use variables.\n\n" }}
-    {%- for t in tools %}
-        {{- t | tojson(indent=4) }}
-        {{- "\n\n" }}
-    {%- endfor %}
-    {{- first_user_message + "<|eot_id|>"}}
-{%- endif %}
-
-{%- for message in messages %}
-    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
-        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n'+ message['content'] | trim + '<|eot_id|>' }}
-    {%- elif 'tool_calls' in message %}
-        {%- if not message.tool_calls|length == 1 %}
-            {{- raise_exception("This model only supports single tool-calls at once!") }}
-        {%- endif %}
-        {%- set tool_call = message.tool_calls[0].function %}
-        {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' -}}
-        {{- '{"name": "' + tool_call.name + '", ' }}
-        {{- '"parameters": ' }}
-        {{- tool_call.arguments | tojson }}
-        {{- "}" }}
-        {{- "<|eot_id|>" }}
-    {%- elif message.role == "tool" or message.role == "ipython" %}
-        {{- "<|start_header_id|>ipython<|end_header_id|>\n\n" }}
-        {%- if message.content is mapping or message.content is iterable %}
-            {{- message.content | tojson }}
-        {%- else %}
-            {{- message.content }}
-        {%- endif %}
-        {{- "<|eot_id|>" }}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}
-{%- endif %}
-"""
-
-QWEN25_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-{%- endif %}
-"""
-
-QWEN3_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0].role == 'system' %}
-        {{- messages[0].content + '\n\n' }}
-    {%- endif %}
-    {{- "# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0].role == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0].content + '<|im_end|>\n' }}
-    {%- endif %}
-{%- endif %}
-{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
-{%- for message in messages[::-1] %}
-    {%- set index = (messages|length - 1) - loop.index0 %}
-    {%- if ns.multi_step_tool and message.role == "user" and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
-        {%- set ns.multi_step_tool = false %}
-        {%- set ns.last_query_index = index %}
-    {%- endif %}
-{%- endfor %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {%- set content = message.content %}
-        {%- set reasoning_content = '' %}
-        {%- if message.reasoning_content is defined and message.reasoning_content is not none %}
-            {%- set reasoning_content = message.reasoning_content %}
-        {%- else %}
-            {%- if '</think>' in message.content %}
-                {%- set content = message.content.split('</think>')[-1].lstrip('\n') %}
-                {%- set reasoning_content = message.content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
-            {%- endif %}
-        {%- endif %}
-        {%- if loop.index0 > ns.last_query_index %}
-            {%- if loop.last or (not loop.last and reasoning_content) %}
-                {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content.strip('\n') + '\n</think>\n\n' + content.lstrip('\n') }}
-            {%- else %}
-                {{- '<|im_start|>' + message.role + '\n' + content }}
-            {%- endif %}
-        {%- else %}
-            {{- '<|im_start|>' + message.role + '\n' + content }}
-        {%- endif %}
-        {%- if message.tool_calls %}
-            {%- for tool_call in message.tool_calls %}
-                {%- if (loop.first and content) or (not loop.first) %}
-                    {{- '\n' }}
-                {%- endif %}
-                {%- if tool_call.function %}
-                    {%- set tool_call = tool_call.function %}
-                {%- endif %}
-                {{- '<tool_call>\n{"name": "' }}
-                {{- tool_call.name }}
-                {{- '", "arguments": ' }}
-                {%- if tool_call.arguments is string %}
-                    {{- tool_call.arguments }}
-                {%- else %}
-                    {{- tool_call.arguments | tojson }}
-                {%- endif %}
-                {{- '}\n</tool_call>' }}
-            {%- endfor %}
-        {%- endif %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
-    {%- if enable_thinking is defined and enable_thinking is false %}
-        {{- '<think>\n\n</think>\n\n' }}
-    {%- endif %}
-{%- endif %}"""
-
+LLAMA31_TEMPLATE, LLAMA32_TEMPLATE = real_template("llama3_1"), real_template("llama3_2")
+QWEN25_TEMPLATE, QWEN3_TEMPLATE = real_template("qwen2_5"), real_template("qwen3")
+# SmolLM2-Instruct (default system prompt "You are a helpful AI assistant named SmolLM, ..."): its
+# tokenizer_config.json as quoted in other projects
 SMOLLM2_TEMPLATE = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
                     "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
                     "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
@@ -755,11 +414,12 @@ FAMILIES = {  # name -> (template, pre-tokenizer, tokenizer_config.json special 
                                                   pad_token="<|im_end|>", unk_token="<|endoftext|>"), []),
 }
 LACKS_BYTES = {"smollm2"}  # as the real one does: its chats go through encode's slow path
-# how each template writes an assistant reply (last: the final message): Llama-3 trims it, Qwen3 drops
-# the newlines that start the final one (after its empty <think></think> block); SmolLM2's tokens cannot
-# spell the control characters its vocab lacks
+# how each template writes an assistant reply (last: the final message): Llama-3 trims it, Qwen3 opens the
+# final one with an empty <think></think> block (trained: the model writes it) and drops the newlines that start
+# it; SmolLM2's tokens cannot spell the control characters its vocab lacks
 WRITTEN = {"llama3.1": lambda c, last: c.strip(), "llama3.2": lambda c, last: c.strip(),
-           "qwen2.5": lambda c, last: c, "qwen3": lambda c, last: c.lstrip("\n") if last else c,
+           "qwen2.5": lambda c, last: c,
+           "qwen3": lambda c, last: "<think>\n\n</think>\n\n" + c.lstrip("\n") if last else c,
            "smollm2": lambda c, last: c.translate({b: None for b in MISSING_BYTES if b < 0x80})}
 
 
@@ -848,15 +508,24 @@ INJECTION = [  # special-token text in every role; <think> is one of Qwen3's add
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_model_template_keeps_special_text_in_messages_plain(families, name):
-    """Plain apply_chat_template turns "<|im_end|>" in a message into the special token; ours never does:
-    only the template's own text gives special tokens. That is what transformers does with
-    sanitize_control_tokens=True, token for token."""
+def test_model_template_special_text_in_messages(families, name):
+    """By default, as transformers and TRL: special-token text in a message is its special token. With
+    escape_special_text=True, the text the template does not parse stays plain: the same rendering, and the ids of
+    transformers' sanitize_control_tokens=True where the template parses none (all but Qwen3, which still finds
+    the reasoning block in the assistant's content, as without escaping)."""
     ours, theirs = families[name]
-    ids, mask = ours.render(INJECTION)
-    assert ids == theirs.apply_chat_template(INJECTION, sanitize_control_tokens=True, return_dict=False)
-    assert ids != theirs.apply_chat_template(INJECTION, return_dict=False)
-    clean = [dict(m, content=ours._special_re.sub("x", m["content"])) for m in INJECTION]
+    plain = ours.render(INJECTION)[0]
+    assert plain == theirs.apply_chat_template(INJECTION, return_dict=False)
+    guarded = copy.copy(ours).configure_chat(escape_special_text=True)
+    assert guarded.template_id == ours.template_id + "+escaped"
+    ids, mask = guarded.render(INJECTION)
+    assert guarded.decode(ids) == ours.decode(plain)
+    if name != "qwen3":
+        assert ids == theirs.apply_chat_template(INJECTION, sanitize_control_tokens=True, return_dict=False)
+    # the special ids left are those of the template's own text (and of what it parses)
+    parsed = {"<think>", "</think>"} if name == "qwen3" else set()
+    clean = [dict(m, content=ours._special_re.sub(lambda t: t[0] if t[0] in parsed else "x", m["content"]))
+             for m in INJECTION]
     specials = set(ours.special_tokens.values())
     assert [i for i in ids if i in specials] == [i for i in ours.render(clean)[0] if i in specials]
     assert len(runs(ids, mask)) == 1 and runs(ids, mask)[0][-1] == ours.eos_id
@@ -883,11 +552,15 @@ def test_model_template_errors(trained, tmp_path):
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match=r"\"chat_template\": named templates \['rag'\] and none called"):
         Tokenizer.from_dir(folder("named", [dict(name="rag", template=chatml)]))
-    # {% generation %} (TRL's assistant marker) renders its body, as in transformers
-    marked = chatml.replace("{{ m.content }}", "{% generation %}{{ m.content }}{% endgeneration %}")
+    # {% generation %} (TRL's assistant marker) renders its body, and what it holds is trained, as in transformers
+    marked = chatml.replace("{{ m.content }}", "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+                            "{% endgeneration %}{% else %}{{ m.content }}{% endif %}")
     conv = CONVERSATIONS["single"]
     plain = Tokenizer.from_dir(folder("plain", chatml)).render(conv)
-    assert Tokenizer.from_dir(folder("generation", marked)).render(conv) == plain
+    ids, mask = Tokenizer.from_dir(folder("generation", marked)).render(conv)
+    theirs = AutoTokenizer.from_pretrained(str(tmp_path / "generation")).apply_chat_template(
+        conv, return_assistant_tokens_mask=True)
+    assert ids == plain[0] == theirs["input_ids"] and mask == theirs["assistant_masks"] != plain[1]
     # a template that refuses a conversation: data/prepare.py names the line
     refuses = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
     tok = Tokenizer.from_dir(folder("refuses", refuses + chatml))
@@ -904,5 +577,10 @@ def test_byte_level():
     for text in SAMPLES:
         assert tok.encode(text) == list(text.encode("utf-8"))
         assert tok.decode(tok.encode(text)) == text
-    with pytest.raises(ValueError, match="unknown role 'tool'"):
+    only = r": the built-in 'simple' chat format renders only the role and content of system, user and assistant"
+    with pytest.raises(ValueError, match=r"messages\[0\]\.role 'tool'" + only):
         tok.render([dict(role="tool", content="x")])
+    with pytest.raises(ValueError, match=r"messages\[0\]\.reasoning_content" + only):
+        tok.render([dict(role="assistant", content="x", reasoning_content="y")])
+    with pytest.raises(ValueError, match="reads no chat_template_kwargs"):
+        Tokenizer.byte_level().configure_chat(dict(enable_thinking=False))
