@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 import lora
 from hf import save_pretrained
 from model import ModelConfig, Transformer
-from parallel import one_line, print0
+from parallel import fail, print0
 
 # DCP in one process (no process group) warns at every save and load that it assumes one process: we mean it
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
@@ -90,7 +90,7 @@ def stop_writing(e, what, run):
     then = (f"{run.ckpt_path} still holds the last complete checkpoint; free space, then continue with "
             f"--init_from=resume --out_dir={run.out_dir}" if os.path.exists(run.ckpt_path) else
             "no checkpoint was written yet; free space, then run it again")
-    one_line(f"{disk[0]}: {what} could not be written in {run.out_dir}, nothing of it is kept; {then}")
+    fail(f"{disk[0]}: {what} could not be written in {run.out_dir}, nothing of it is kept; {then}")
 
 
 def under(e):
@@ -116,7 +116,7 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, dcp.CheckpointException) as e:
         cause = next(x for x in under(e) if not getattr(x, "failures", None))  # not the CheckpointException
         reason = str(cause).splitlines()[0].split(". ")[0]  # torch's advice after its first sentence: ours
-        one_line(f"{path}: the checkpoint's weights cannot be read ({reason}); the folder is incomplete or damaged: "
+        fail(f"{path}: the checkpoint's weights cannot be read ({reason}); the folder is incomplete or damaged: "
                  f"restore the run folder from a copy, or start again (--overwrite=True)")
     missing = set(set_model_state_dict(model, state["model"], options=TRAINED).missing_keys)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # named as load_state_dict names them
@@ -135,7 +135,7 @@ def load_checkpoint(path):
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError) as e:
         problem = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'empty'}"
     if problem:
-        one_line(f"{path} cannot be read ({problem}): it is damaged, cut short or not ours; restore it from a copy, or "
+        fail(f"{path} cannot be read ({problem}): it is damaged, cut short or not ours; restore it from a copy, or "
                  f"start again (--overwrite=True)")
     return ckpt
 
