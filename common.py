@@ -21,7 +21,7 @@ import lora
 from hf import from_pretrained, load_hf_weights, read_hf_config
 from model import ModelConfig, Transformer, attention_backend, config_from_preset
 from packing import PackedLoader
-from parallel import is_master, precision, print0, setup_distributed, teardown_distributed, wrap_model
+from parallel import is_master, lock_out_dir, precision, print0, setup_distributed, teardown_distributed, wrap_model
 from tokenizer import Tokenizer, get_tokenizer
 
 
@@ -115,6 +115,7 @@ def setup(config, kind, builtin_sizes=None):
     optimizer, packed loader, and the checkpoint's state restored when init_from='resume'. kind: 'sft', 'dpo' or 'rl'
     (no token files and no loader: train_rl.py reads its prompts and makes its batches itself)."""
     c = config
+    lock_out_dir(c["out_dir"])  # first: a second run into a live run's out_dir stops before it changes anything
     rank, world_size, device = setup_distributed(c["device"], c["dist_timeout"])
     torch.manual_seed(c["seed"])
     dtype, ptdtype, autocast = precision(device, c["dtype"], c["parallel"], world_size)

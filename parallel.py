@@ -1,9 +1,14 @@
 """
-Processes and devices: torchrun's ranks (or one plain process), printing once, summing metrics over ranks,
-the DDP / FSDP2 wrap, gradient sync on a step's last micro-batch only, and the precision a run computes in.
+Processes and devices: torchrun's ranks (or one plain process), one live run per out_dir, printing once, summing
+metrics over ranks, the DDP / FSDP2 wrap, gradient sync on a step's last micro-batch only, and the precision a run
+computes in.
 """
+import atexit
 import datetime
+import fcntl
 import os
+import socket
+import sys
 from contextlib import nullcontext
 
 import torch
@@ -26,6 +31,31 @@ def setup_distributed(device="auto", timeout_s=300):
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world_size, torch.device(device)
+
+
+def lock_out_dir(out_dir):
+    """One live run per out_dir: rank 0 holds an flock on out_dir/run.lock for its whole life, and the kernel drops it
+    when the process dies, however it dies. Who holds it is written inside, for the line a second run stops with."""
+    if not is_master():
+        return
+    path = os.path.join(out_dir, "run.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 500).decode(errors="replace").strip() or "starting or ending"
+        raise SystemExit(f"{out_dir} is in use by a live run ({holder}): wait for it to end, or stop it (SIGTERM "
+                         f"saves a checkpoint, then --init_from=resume), or choose another out_dir") from None
+    except OSError as e:  # a file system without flock (e.g. Lustre mounted noflock): run, and say nothing guards it
+        print0(f"note: cannot lock {path} ({e.strerror}): nothing stops a second run from writing into {out_dir}")
+        return
+    stale = os.read(fd, 500).decode(errors="replace").strip()
+    if stale:  # a clean exit empties the file: a holder named in an unlocked file was killed
+        print0(f"note: taking over {path} from {stale}, which is gone (killed?)")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}, "
+                  f"{os.path.basename(sys.argv[0])}\n".encode(), 0)
+    atexit.register(os.ftruncate, fd, 0)  # a clean exit; the lock itself goes with the process
 
 
 def teardown_distributed():

@@ -1,0 +1,87 @@
+"""A run's processes from start to exit, as users drive them: one live run per out_dir (a second one stops with one
+line and writes nothing; a killed run's lock is taken over with a note)."""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from conftest import ROOT, as_args, builtin_data, run_script, step_metrics
+
+LONG = dict(preset="tiny", batch_size=16, microbatch_tokens=2048, max_iters=100_000, warmup_iters=0, log_interval=1,
+            eval_interval=2, eval_examples=0, seed=7)  # runs until stopped, a checkpoint every 2 steps
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    return builtin_data(tmp_path_factory.mktemp("data") / "builtin", "sft", n_train=400, n_val=40)
+
+
+def start(args, log, nproc=1, launcher=("-m", "torch.distributed.run")):
+    """train_sft.py in the background, as a user starts it; its output (and its workers') into the file log."""
+    cmd = [sys.executable] + ([] if nproc == 1 else [*launcher, "--standalone", f"--nproc_per_node={nproc}"])
+    return subprocess.Popen(cmd + ["train_sft.py", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+
+def wait_for(condition, timeout=120):
+    deadline = time.time() + timeout
+    while not condition():
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.05)
+    return time.time()
+
+
+def snapshot(folder):
+    """Every file under folder with its size and modification time: what a second run must leave as it was."""
+    return {os.path.relpath(os.path.join(d, f), folder): (os.path.getsize(os.path.join(d, f)),
+                                                          os.path.getmtime(os.path.join(d, f)))
+            for d, _, files in os.walk(folder) for f in files}
+
+
+def test_a_second_run_into_a_live_runs_out_dir_stops_with_one_line_and_writes_nothing(tmp_path, sft_data):
+    out_dir = str(tmp_path / "run")
+    first = start(as_args(**LONG, out_dir=out_dir, data=sft_data), open(tmp_path / "first.log", "w"))
+    try:
+        wait_for(lambda: os.path.exists(os.path.join(out_dir, "ckpt.pt")))
+        first.send_signal(signal.SIGSTOP)  # it holds the lock, and writes nothing while the others try
+        before = snapshot(out_dir)
+        for script, extra in [("train_sft.py", ["--data=builtin", "--overwrite=True"]),  # would prepare data, remove
+                              ("train_dpo.py", ["--init_from=scratch", "--preset=tiny", "--overwrite=True"]),
+                              ("train_sft.py", ["--init_from=resume"])]:
+            out = run_script(script, [f"--out_dir={out_dir}", *extra], check=False)
+            lines = [line for line in out.stderr.splitlines() if line.strip()]
+            assert out.returncode == 1 and len(lines) == 1 and not out.stdout, out.stdout + out.stderr
+            assert f"{out_dir} is in use by a live run (pid {first.pid} on {socket.gethostname()} since " in lines[0]
+            assert "train_sft.py): wait for it to end, or stop it (SIGTERM saves a checkpoint" in lines[0]
+            assert snapshot(out_dir) == before, script
+    finally:
+        first.send_signal(signal.SIGCONT)
+        first.send_signal(signal.SIGTERM)
+        first.wait(timeout=120)
+    assert first.returncode == 0  # stopped with a checkpoint
+    iters = [m["iter"] for m in step_metrics(out_dir)]
+    assert iters == list(range(1, len(iters) + 1))  # one run's rows, none interleaved
+    assert open(os.path.join(out_dir, "run.lock")).read() == ""  # its clean exit names no holder
+
+
+def test_the_lock_of_a_killed_run_is_taken_over_with_a_note(tmp_path, sft_data):
+    out_dir = str(tmp_path / "run")
+    first = start(as_args(**LONG, out_dir=out_dir, data=sft_data), open(tmp_path / "first.log", "w"))
+    wait_for(lambda: os.path.exists(os.path.join(out_dir, "ckpt.pt")))
+    first.kill()
+    first.wait()
+    lock = os.path.join(out_dir, "run.lock")
+    assert open(lock).read().startswith(f"pid {first.pid} on ")  # what a kill -9 leaves: a holder that is gone
+    at = torch.load(os.path.join(out_dir, "ckpt.pt"))["iter_num"]
+    out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", f"--max_iters={at + 1}"])
+    assert f"note: taking over {lock} from pid {first.pid} on {socket.gethostname()} since " in out.stdout
+    assert "which is gone (killed?)" in out.stdout
+    assert open(lock).read() == ""
+    out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", f"--max_iters={at + 2}"])
+    assert "taking over" not in out.stdout  # a run that ended cleanly left no holder to take over from
+    assert [m["iter"] for m in step_metrics(out_dir)][-2:] == [at + 1, at + 2]
