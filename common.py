@@ -87,8 +87,7 @@ class Run:
         """After a stop signal, with the checkpoint saved: say how to continue, and exit 0."""
         print0(f"stopped by {self.stop.name or 'a signal on another rank'} after iter {iter_num}: checkpoint "
                f"{self.ckpt_path}; continue with --init_from=resume --out_dir={self.out_dir}")
-        teardown_distributed()
-        raise SystemExit(0)
+        teardown_distributed(0)
 
 
 class StopSignal:
