@@ -1,12 +1,14 @@
 """
-Processes and devices: torchrun's ranks (or one plain process), one live run per out_dir, printing once, summing
-metrics over ranks, the DDP / FSDP2 wrap, gradient sync on a step's last micro-batch only, and the precision a run
-computes in.
+Processes and devices: torchrun's ranks (or one plain process), one live run per out_dir, workers that stop with
+their launcher, printing once, summing metrics over ranks, the DDP / FSDP2 wrap, gradient sync on a step's last
+micro-batch only, and the precision a run computes in.
 """
 import atexit
+import ctypes
 import datetime
 import fcntl
 import os
+import signal
 import socket
 import sys
 from contextlib import nullcontext
@@ -15,6 +17,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+PARENT_AT_START = os.getppid()  # under torchrun the launcher, read when the script imports this: stop_with_launcher()
 
 
 def setup_distributed(device="auto", timeout_s=300):
@@ -28,9 +32,19 @@ def setup_distributed(device="auto", timeout_s=300):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     if world_size > 1:
+        stop_with_launcher()
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world_size, torch.device(device)
+
+
+def stop_with_launcher():
+    """A worker gets SIGTERM when its launcher dies, even by SIGKILL (torchrun starts each worker in a session of its
+    own: nothing else would reach it), so it saves a checkpoint and exits instead of training on into out_dir."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != PARENT_AT_START:  # it died before the line above: no signal will come
+            raise SystemExit(f"rank {os.environ.get('RANK')}: the launcher of this worker is gone; stopping")
 
 
 def lock_out_dir(out_dir):

@@ -1,6 +1,7 @@
 """A run's processes from start to exit, as users drive them: one live run per out_dir (a second one stops with one
-line and writes nothing; a killed run's lock is taken over with a note); and no process finalizes with another
-thread alive (a gloo thread freeing a tensor then aborted a finished run: exit -6)."""
+line and writes nothing; a killed run's lock is taken over with a note); the workers of a SIGKILLed torchrun launcher
+save and stop instead of training on; and no process finalizes with another thread alive (a gloo thread freeing a
+tensor then aborted a finished run: exit -6)."""
 import os
 import signal
 import socket
@@ -35,6 +36,32 @@ def wait_for(condition, timeout=120):
         assert time.time() < deadline, "timed out"
         time.sleep(0.05)
     return time.time()
+
+
+def rows(out_dir):
+    path = os.path.join(out_dir, "metrics.jsonl")
+    return len(step_metrics(out_dir)) if os.path.exists(path) else 0
+
+
+def alive(pid):
+    """A process that still runs (a zombie waiting to be reaped has ended)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def children(pid):
+    found = []
+    for p in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if int(f.read().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(p))
+        except (FileNotFoundError, ProcessLookupError):
+            pass
+    return found
 
 
 def snapshot(folder):
@@ -86,6 +113,30 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_note(tmp_path, sft_data):
     out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", f"--max_iters={at + 2}"])
     assert "taking over" not in out.stdout  # a run that ended cleanly left no holder to take over from
     assert [m["iter"] for m in step_metrics(out_dir)][-2:] == [at + 1, at + 2]
+
+
+def test_the_workers_of_a_killed_launcher_save_and_stop_and_the_run_resumes(tmp_path, sft_data):
+    """kill -9 of torchrun: its workers (in sessions of their own) get SIGTERM from the kernel (PR_SET_PDEATHSIG),
+    finish the step, save and exit; none trains on into out_dir beside the resumed run."""
+    out_dir, log = str(tmp_path / "run"), tmp_path / "run.log"
+    launcher = start(as_args(**dict(LONG, out_dir=out_dir, data=sft_data, microbatch_tokens=1024)), open(log, "w"),
+                     nproc=2)
+    wait_for(lambda: rows(out_dir) >= 3)
+    workers = children(launcher.pid)
+    assert len(workers) == 2 and all(alive(p) for p in workers)
+    launcher.kill()
+    killed = time.time()
+    gone = wait_for(lambda: not any(alive(p) for p in workers), timeout=30)
+    assert gone - killed < 10, f"workers still ran {gone - killed:.1f} s after their launcher was killed"
+    n = rows(out_dir)
+    time.sleep(1)
+    assert rows(out_dir) == n  # nothing writes into the run any more
+    text = log.read_text()
+    assert "stopped by SIGTERM after iter" in text and "Traceback" not in text, text[-3000:]
+    at = torch.load(os.path.join(out_dir, "ckpt.pt"))["iter_num"]
+    assert at == n  # the checkpoint holds every step the log shows
+    run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", f"--max_iters={at + 2}"], nproc=2)
+    assert [m["iter"] for m in step_metrics(out_dir)] == list(range(1, at + 3))
 
 
 SITE = """import os
