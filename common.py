@@ -84,16 +84,17 @@ class Run:
         return float(grad_norm), not bad, bool(stop)
 
     def exit_stopped(self, iter_num):
-        """After a stop signal, with the checkpoint saved: say how to continue, and exit 0."""
+        """After a stop signal, with the checkpoint saved: say how to continue, and exit 128 + the signal (143 for
+        SIGTERM, 130 for Ctrl-C) as a process it killed would: a scheduler reads the run as stopped, not done."""
         print0(f"stopped by {self.stop.name or 'a signal on another rank'} after iter {iter_num}: checkpoint "
                f"{self.ckpt_path}; continue with --init_from=resume --out_dir={self.out_dir}")
-        teardown_distributed(0)
+        teardown_distributed(128 + signal.Signals[self.stop.name or "SIGTERM"])
 
 
 class StopSignal:
     """SIGINT (Ctrl-C) or SIGTERM (a cluster's preemption) asks the run to stop after the current step with a
     checkpoint. A second SIGINT stops at once; a SIGTERM after a SIGINT (torchrun passes Ctrl-C on) does not.
-    Under torchrun the workers exit 0 with their checkpoint; the launcher itself exits 1 on a signal."""
+    Under torchrun, launch.py makes the launcher end the same way (torchrun's own exits 1 with a traceback)."""
 
     def __init__(self):
         self.name = None

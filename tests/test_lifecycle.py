@@ -1,7 +1,7 @@
 """A run's processes from start to exit, as users drive them: one live run per out_dir (a second one stops with one
 line and writes nothing; a killed run's lock is taken over with a note); the workers of a SIGKILLed torchrun launcher
-save and stop instead of training on; and no process finalizes with another thread alive (a gloo thread freeing a
-tensor then aborted a finished run: exit -6)."""
+save and stop instead of training on; launch.py ends a SIGTERM as a preemption (exit 143, our line last); and no
+process finalizes with another thread alive (a gloo thread freeing a tensor then aborted a finished run: exit -6)."""
 import os
 import signal
 import socket
@@ -91,7 +91,7 @@ def test_a_second_run_into_a_live_runs_out_dir_stops_with_one_line_and_writes_no
         first.send_signal(signal.SIGCONT)
         first.send_signal(signal.SIGTERM)
         first.wait(timeout=120)
-    assert first.returncode == 0  # stopped with a checkpoint
+    assert first.returncode == 128 + signal.SIGTERM  # stopped with a checkpoint, as a preemption
     iters = [m["iter"] for m in step_metrics(out_dir)]
     assert iters == list(range(1, len(iters) + 1))  # one run's rows, none interleaved
     assert open(os.path.join(out_dir, "run.lock")).read() == ""  # its clean exit names no holder
@@ -137,6 +137,26 @@ def test_the_workers_of_a_killed_launcher_save_and_stop_and_the_run_resumes(tmp_
     assert at == n  # the checkpoint holds every step the log shows
     run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", f"--max_iters={at + 2}"], nproc=2)
     assert [m["iter"] for m in step_metrics(out_dir)] == list(range(1, at + 3))
+
+
+def test_launch_py_ends_a_sigterm_as_a_preemption_and_the_run_resumes_as_if_never_stopped(tmp_path, sft_data):
+    cfg = dict(LONG, data=sft_data, max_iters=30, eval_interval=0, microbatch_tokens=1024)
+    straight, cut, log = str(tmp_path / "straight"), str(tmp_path / "cut"), tmp_path / "cut.log"
+    launcher = start(as_args(**cfg, out_dir=cut), open(log, "w"), nproc=2, launcher=("launch.py",))
+    wait_for(lambda: rows(cut) >= 2)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 128 + signal.SIGTERM
+    text = log.read_text()
+    assert "Traceback" not in text and "SignalException" not in text, text[-3000:]
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("stopped by SIGTERM after iter ") and "continue with --init_from=resume" in last
+    assert rows(cut) < 30
+    run_script("launch.py", ["--standalone", "--nproc_per_node=2", "train_sft.py", f"--out_dir={cut}",
+                             "--init_from=resume"])
+    run_script("train_sft.py", as_args(**cfg, out_dir=straight), nproc=2)
+    timing = {"time_ms", "tokens_per_sec", "tokens_per_sec_per_gpu", "mfu", "data_time_frac", "peak_mem_gb"}
+    a, b = ([{k: v for k, v in m.items() if k not in timing} for m in step_metrics(d)] for d in (straight, cut))
+    assert a == b and len(a) == 30  # the same steps, bit for bit
 
 
 SITE = """import os
