@@ -21,7 +21,7 @@ import lora
 from hf import fingerprint, from_pretrained, load_hf_weights, read_hf_config
 from model import PRESETS, ModelConfig, Transformer, attention_backend, config_from_preset
 from packing import PackedLoader
-from parallel import fail, precision, print0, setup_distributed, teardown_distributed, wrap_model
+from parallel import fail, lock_out_dir, precision, print0, setup_distributed, teardown_distributed, wrap_model
 from tokenizer import Tokenizer, get_tokenizer
 
 RULES = dict(  # configurator.check_rule: the choices or the interval of each key setup() reads
@@ -66,11 +66,11 @@ class Run:
         return self.rank == 0
 
     def exit_stopped(self, iter_num):
-        """After a stop signal, with the checkpoint saved: say how to continue, and exit 0."""
+        """After a stop signal, with the checkpoint saved: say how to continue, and exit 128 + the signal (143 for
+        SIGTERM, 130 for Ctrl-C) as a process it killed would: a scheduler reads the run as stopped, not done."""
         print0(f"stopped by {self.guard.stop.name or 'a signal on another rank'} after iter {iter_num}: checkpoint "
                f"{self.ckpt_path}; continue with --init_from=resume --out_dir={self.out_dir}")
-        teardown_distributed()
-        raise SystemExit(0)
+        teardown_distributed(128 + signal.Signals[self.guard.stop.name or "SIGTERM"])
 
 
 class StepGuard:
@@ -106,6 +106,7 @@ class StepGuard:
         return not bad, bool(stop)
 
 
+
 def clip_grad_norm(model, max_norm):
     """Clip the trained parameters' gradients to max_norm (0: no clipping) -> their norm before clipping."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -116,7 +117,7 @@ def clip_grad_norm(model, max_norm):
 class StopSignal:
     """SIGINT (Ctrl-C) or SIGTERM (a cluster's preemption) asks the run to stop after the current step with a
     checkpoint. A second SIGINT stops at once; a SIGTERM after a SIGINT (torchrun passes Ctrl-C on) does not.
-    Under torchrun the workers exit 0 with their checkpoint; the launcher itself exits 1 on a signal."""
+    Under torchrun, launch.py makes the launcher end the same way (torchrun's own exits 1 with a traceback)."""
 
     def __init__(self):
         self.name = None
@@ -174,6 +175,7 @@ def setup(config, kind, builtin_sizes=None):
     (no token files and no loader: train_rl.py reads its prompts and makes its batches itself)."""
     c = config
     check_run(c, kind)
+    lock_out_dir(c["out_dir"])  # a second run into a live run's out_dir stops before it changes anything
     rank, world_size, device = setup_distributed(c["device"], c["dist_timeout"])
     cp = context.setup(c.get("context_parallel", 1), rank, world_size, c["dist_timeout"])
     torch.manual_seed(c["seed"])

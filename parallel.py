@@ -1,10 +1,16 @@
 """
-Processes and devices: torchrun's ranks (or one plain process), printing (and failing) once, sums over ranks,
-the DDP / FSDP2 wrap, gradient sync on a step's last micro-batch only, and the precision a run computes in.
+Processes and devices: torchrun's ranks (or one plain process), one live run per out_dir, workers that stop with
+their launcher, printing (and failing) once, sums over ranks, the DDP / FSDP2 wrap, gradient sync on a step's last
+micro-batch only, and the precision a run computes in.
 """
+import atexit
+import ctypes
 import datetime
+import fcntl
 import os
 import signal
+import socket
+import sys
 import time
 from contextlib import nullcontext
 
@@ -12,6 +18,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+PARENT_AT_START = os.getppid()  # under torchrun the launcher, read when the script imports this: stop_with_launcher()
 
 
 def setup_distributed(device="auto", timeout_s=300):
@@ -25,15 +33,59 @@ def setup_distributed(device="auto", timeout_s=300):
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(device)
     if world_size > 1:
+        stop_with_launcher()
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo",
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return rank, world_size, torch.device(device)
 
 
-def teardown_distributed():
+def stop_with_launcher():
+    """A worker gets SIGTERM when its launcher dies, even by SIGKILL (torchrun starts each worker in a session of its
+    own: nothing else would reach it), so it saves a checkpoint and exits instead of training on into out_dir."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+        if os.getppid() != PARENT_AT_START:  # it died before the line above: no signal will come
+            raise SystemExit(f"rank {os.environ.get('RANK')}: the launcher of this worker is gone; stopping")
+
+
+def lock_out_dir(out_dir):
+    """One live run per out_dir: rank 0 holds an flock on out_dir/run.lock for its whole life, and the kernel drops it
+    when the process dies, however it dies. Who holds it is written inside, for the line a second run stops with."""
+    if not is_master():
+        return
+    path = os.path.join(out_dir, "run.lock")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 500).decode(errors="replace").strip() or "starting or ending"
+        raise SystemExit(f"{out_dir} is in use by a live run ({holder}): wait for it to end, or stop it (SIGTERM "
+                         f"saves a checkpoint, then --init_from=resume), or choose another out_dir") from None
+    except OSError as e:  # a file system without flock (e.g. Lustre mounted noflock): run, and say nothing guards it
+        print0(f"note: cannot lock {path} ({e.strerror}): nothing stops a second run from writing into {out_dir}")
+        return
+    stale = os.read(fd, 500).decode(errors="replace").strip()
+    if stale:  # a clean exit empties the file: a holder named in an unlocked file was killed
+        print0(f"note: taking over {path} from {stale}, which is gone (killed?)")
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} since {datetime.datetime.now():%Y-%m-%d %H:%M:%S}, "
+                  f"{os.path.basename(sys.argv[0])}\n".encode(), 0)
+    atexit.register(os.ftruncate, fd, 0)  # a clean exit; the lock itself goes with the process
+
+
+def teardown_distributed(code=0):
+    """The end of a script: exit with `code`. A process group is destroyed, then the process ends without Python's
+    finalization: the DDP / FSDP2 model (and FSDP2's cached mesh) keep the group, and so gloo's worker threads, alive
+    past destroy_process_group, and a worker that frees a tensor while the interpreter finalizes is killed inside a
+    C++ destructor: std::terminate, exit -6 after a finished run (torch 2.13, Python 3.11)."""
     if dist.is_initialized():
-        dist.barrier()  # no rank tears down while another still talks to it (gloo aborts at exit)
+        dist.barrier()  # no rank tears down while another still talks to it
         dist.destroy_process_group()
+        atexit._run_exitfuncs()  # what a normal exit runs first (the out_dir lock's release, logging, wandb)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    raise SystemExit(code)
 
 
 def is_master():

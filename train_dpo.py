@@ -226,15 +226,16 @@ while iter_num < max_iters:
         log_window(elapsed, iter_num - last_log_iter, grad_norm)
         last_log_iter, stats_acc, pairs_window, chosen_targets_window = iter_num, zeros(), 0, 0
     saved = dict(ref_key=ref_key, before=before)
-    if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
-        save_checkpoint(run, iter_num, step.state, config, extra=saved)
-        logger.finish()
-        run.exit_stopped(iter_num)
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         results = evaluate()
         save_checkpoint(run, iter_num, step.state, config, extra=saved, evaluation=results)
         eval_seconds += time.perf_counter() - t_eval
+    elif stopping:  # a stop on an evaluation step is saved above, with its evaluation
+        save_checkpoint(run, iter_num, step.state, config, extra=saved)
+    if stopping and not last:  # on the last step the run ends as usual: export
+        logger.finish()
+        run.exit_stopped(iter_num)
 
 print0(f"time: reference log-probs {ref_cache_seconds:.1f}s, training {train_seconds:.1f}s")
 if before and "val_accuracy" in results:

@@ -294,14 +294,15 @@ while iter_num < max_iters:
     train_s = timer.lap() - gen_s - reward_s
     log_step(step_loss, rewards, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm)
     last = iter_num == max_iters
-    if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
-        save_checkpoint(run, iter_num, {}, config, extra=dict(before=before))
-        logger.finish()
-        run.exit_stopped(iter_num)
     if (eval_interval and iter_num % eval_interval == 0) or last:
         results = evaluate()
         save_checkpoint(run, iter_num, {}, config, extra=dict(before=before), evaluation=results)
         timer.lap()  # evaluation is not the next step's time
+    elif stopping:  # a stop on an evaluation step is saved above, with its evaluation
+        save_checkpoint(run, iter_num, {}, config, extra=dict(before=before))
+    if stopping and not last:  # on the last step the run ends as usual: export
+        logger.finish()
+        run.exit_stopped(iter_num)
 
 if before and results:
     print0(f"held-out, greedy: exact-match accuracy {100 * before['val_accuracy']:.1f}% -> "

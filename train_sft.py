@@ -177,14 +177,15 @@ while iter_num < max_iters:
         logger.log(metrics)
         loss_acc.zero_()
         normaliser_window = 0
-    if stopping and not last:  # on the last step the run ends as usual: evaluation, checkpoint, export
-        save_checkpoint(run, iter_num, step.state, config, extra={})
-        logger.finish()
-        run.exit_stopped(iter_num)
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         save_checkpoint(run, iter_num, step.state, config, extra={}, evaluation=evaluate())
         eval_seconds += time.perf_counter() - t_eval
+    elif stopping:  # a stop on an evaluation step is saved above, with its evaluation
+        save_checkpoint(run, iter_num, step.state, config, extra={})
+    if stopping and not last:  # on the last step the run ends as usual: export
+        logger.finish()
+        run.exit_stopped(iter_num)
 
 logger.finish()
 export_hf(run)
