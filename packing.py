@@ -178,7 +178,7 @@ class PackedBatch:
 
     def group_sums(self, values, group_size):
         """Groups of group_size sequences: values per target -> (U, k) per-sequence sums, row u the batch's unit u."""
-        return self.sequence_sums(values)[:group_size * self.num_groups].view(self.num_groups, group_size)
+        return self.sequence_sums(values)[:group_size * len(self.units)].view(len(self.units), group_size)
 
     def pair_sums(self, values):
         """DPO: values per target -> (chosen (P,), rejected (P,)) per-sequence sums."""
