@@ -152,11 +152,11 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_the_resume_need
     line = one_line_failure(out)
     assert line.startswith("No space left on device: the checkpoint of iter 4 could not be written in " + out_dir)
     assert f"free space, then continue with --init_from=resume --out_dir={out_dir}" in line
-    assert sorted(os.listdir(out_dir)) == ["ckpt-000002-0", "ckpt.pt", "metrics.jsonl"]  # no partial folder
+    assert sorted(os.listdir(out_dir)) == ["ckpt-000002-0", "ckpt.pt", "metrics.jsonl", "run.lock"]  # no partial folder
     assert torch.load(os.path.join(out_dir, "ckpt.pt"))["iter_num"] == 2
     run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume"])
     assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 3, 4]
-    assert sorted(os.listdir(out_dir)) == ["ckpt-000004-0", "ckpt.pt", "hf", "metrics.jsonl"]
+    assert sorted(os.listdir(out_dir)) == ["ckpt-000004-0", "ckpt.pt", "hf", "metrics.jsonl", "run.lock"]
 
 
 @pytest.mark.parametrize("file, lora_rank", [("model.safetensors", 0), ("config.json", 0),
