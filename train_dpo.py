@@ -43,6 +43,7 @@ max_len = 4096  # records only: longest sequence kept; longer ones follow `overl
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
 batch_size = 32  # preference pairs per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole pairs: chosen + rejected)
+context_parallel = 1  # ranks splitting each micro-batch's tokens (a pair up to this x microbatch_tokens long)
 max_iters = 0  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
 learning_rate = 2e-4  # the toy model; a pretrained init_from gets fine-tuning values (see configure below)
@@ -140,7 +141,7 @@ def evaluate():
     the built-in task; printed and logged."""
     out = {}
     if len(targets_val):
-        policy = split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix)
+        policy = split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix, cp=run.cp)
         losses, rewards_c, rewards_r = dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
                                                 targets_val[:, 0], targets_val[:, 1], loss_type, beta,
                                                 label_smoothing, gamma)
@@ -214,8 +215,8 @@ while iter_num < max_iters:
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
     if update:  # a skipped step's statistics are NaN or infinite: counted in skipped_steps, not averaged in
-        for k in STATS:
-            stats_acc[k] += step_stats[k]
+        for k in STATS:  # a CP group's ranks hold the same pairs' statistics: its first rank counts them
+            stats_acc[k] += step_stats[k] * (run.cp.rank == 0)
         pairs_window += step.num_groups
         chosen_targets_window += num_chosen_targets
 
