@@ -121,7 +121,8 @@ chosen_targets = targets_train[:, 0].cpu().numpy()  # step normaliser for sft_we
 def microbatch_loss(mb, num_pairs, num_chosen_targets):
     """-> (this micro-batch's share of the step loss, to backpropagate: its pairs' summed losses / the step's global
     number of pairs (+ sft_weight * its chosen responses' NLL / the step's global chosen target tokens), times
-    world_size because DDP and FSDP average gradients over ranks and we want their sum; its pair_stats, for the log)."""
+    world_size because DDP and FSDP average gradients over ranks and we want their sum; its pair_stats, for the log).
+    Under CP a group's ranks compute the same loss from sums added over the group, each backward its own tokens'."""
     with run.autocast:
         logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
     pc, pr = mb.pair_sums(logps)  # (P,) each: one index_add_ over sequence ids
