@@ -115,7 +115,7 @@ run = common.setup(config, "rl")
 model, raw_model, optimizer, device, tok = run.model, run.raw_model, run.optimizer, run.device, run.tok
 iter_num, max_iters, world_size, rank = run.start_iter, run.max_iters, run.world_size, run.rank
 sync_ranks = parallel == "fsdp" and world_size > 1  # FSDP2: every forward of generation is a collective
-first_of_group = run.cp.rank == 0  # what a CP group's ranks hold alike (groups, rewards) is counted by its first
+first_of_group = run.cp.rank == 0  # what a CP group's ranks hold alike (its groups, pairs) is counted by this one
 
 
 def fits(ids, where):

@@ -222,7 +222,8 @@ def test_dpo_resumes_from_context_parallel_into_one_process(tmp_path, pairs):
 def test_rl_context_parallel_equals_one_process(tmp_path, loss, parallel):
     """A group (prompt once, k replies) longer than microbatch_tokens is refused naming --context_parallel; with it,
     two ranks (generating the same replies, training on slices) take one process's steps: GRPO with a second update
-    and a KL term to a live reference, online DPO (best and worst reply, their prompt shared)."""
+    and a KL term to a live reference; online DPO (best and worst reply, their prompt shared) cut at iter 2 and
+    resumed in one process."""
     kw = dict(loss=loss) if loss == "grpo" else dict(loss=loss, kl_coef=0.0, updates_per_batch=1, beta=1.0)
     if loss == "grpo":
         refused = run_script("train_rl.py", rl_args(str(tmp_path / "no"), microbatch_tokens=120), check=False)
@@ -230,6 +231,11 @@ def test_rl_context_parallel_equals_one_process(tmp_path, loss, parallel):
         assert refused.returncode != 0 and "microbatch_tokens=120" in line and "--context_parallel=2" in line
     one, cp = str(tmp_path / "one"), str(tmp_path / "cp")
     run_script("train_rl.py", rl_args(one, **kw))
-    run_script("train_rl.py", rl_args(cp, microbatch_tokens=120, context_parallel=2, parallel=parallel, **kw), nproc=2)
+    cut = dict(max_iters=2) if loss == "online_dpo" else {}
+    run_script("train_rl.py", rl_args(cp, microbatch_tokens=120, context_parallel=2, parallel=parallel, **kw, **cut),
+               nproc=2)
+    if cut:
+        run_script("train_rl.py", as_args(out_dir=cp, init_from="resume", max_iters=3, microbatch_tokens=4096,
+                                          context_parallel=1))
     assert_same_rl_run(one, cp)
     assert [m["tokens"] for m in step_metrics(one)] == [m["tokens"] for m in step_metrics(cp)]  # counted once
