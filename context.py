@@ -80,6 +80,14 @@ class ContextParallel:
     def sum(self, x):
         return Sum.apply(x, self.group)
 
+    def broadcast(self, obj):
+        """-> obj as the group's first rank holds it (any picklable object; size 1: obj itself)."""
+        if self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=dist.get_global_rank(self.group, 0), group=self.group)
+        return box[0]
+
     def split(self, mb):
         """This rank's slice of a group micro-batch (on the host, as make_batch returns it): its rows of every sequence
         (chunks rank and 2*size-1-rank), padded at the end to the longest slice (the ranks' totals differ by one at

@@ -17,28 +17,31 @@ import torch
 import torch.distributed as dist
 
 from common import build_model
+from context import ContextParallel
 from lora import adapters_disabled
 from packing import make_batch, rank_bins, unit_lengths
 from parallel import all_reduce_sum, print0
 
 
 @torch.no_grad()
-def split_logps(model, data, budget, device, autocast, prefix=None, group_size=2):
+def split_logps(model, data, budget, device, autocast, prefix=None, group_size=2, cp=None):
     """(U, k) log-prob sums of every group of k sequences of a split (DPO pairs: [chosen, rejected]), forward only, the
     same on every rank: each rank runs its share and the shares are summed over ranks. prefix: the split's
-    shared_prefixes(), each computed once (None: sequences laid out whole)."""
+    shared_prefixes(), each computed once (None: sequences laid out whole). cp: the run's context.ContextParallel
+    (None: none); a CP group shares `budget` per rank and its ranks' sums are alike: its first rank's count."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    cp = cp or ContextParallel(data_rank=rank, data_size=world_size)
     was_training = model.training
     model.eval()
     lengths = unit_lengths(data, group_size, prefix)
     sums = torch.zeros(len(lengths), group_size, device=device)
-    for units in rank_bins(np.arange(len(lengths)), lengths, budget, rank, world_size):
-        mb = make_batch(data, units, group_size, prefix).to(device)
+    for units in rank_bins(np.arange(len(lengths)), lengths, budget * cp.size, cp.data_rank, cp.data_size):
+        mb = cp.split(make_batch(data, units, group_size, prefix)).to(device)
         with autocast:
             logps = model(**mb.inputs(), logprobs=True)
         sums[mb.units] = mb.group_sums(logps, group_size)
     if dist.is_initialized():
-        dist.all_reduce(sums)
+        dist.all_reduce(sums if cp.rank == 0 else sums.zero_())
     model.train(was_training)
     return sums
 
@@ -79,8 +82,8 @@ class Reference:
         """The Reference of a DPO run: mode 'none' (simpo), 'cached', 'live' or 'adapters_off'. The train split's shared
         prefixes are the loader's, the val split's val_prefix (None: no prefix sharing)."""
         budget = 4 * run.config["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
-        logps = lambda model: (split_logps(model, run.train_data, budget, run.device, run.autocast, run.loader.prefix),
-                               split_logps(model, run.val_data, budget, run.device, run.autocast, val_prefix))
+        logps = lambda model: [split_logps(model, split, budget, run.device, run.autocast, prefix, cp=run.cp)
+                               for split, prefix in ((run.train_data, run.loader.prefix), (run.val_data, val_prefix))]
         n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
         if mode == "none":
             return cls(torch.zeros(n_train, 2, device=run.device), torch.zeros(n_val, 2, device=run.device))

@@ -43,6 +43,7 @@ max_len = 4096  # records only: longest sequence kept; longer ones follow `overl
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
 batch_size = 32  # preference pairs per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole pairs: chosen + rejected)
+context_parallel = 1  # ranks splitting each micro-batch's tokens (a pair up to this x microbatch_tokens long)
 max_iters = 0  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
 learning_rate = 2e-4  # the toy model; a pretrained init_from gets fine-tuning values (see configure below)
@@ -120,7 +121,8 @@ chosen_targets = targets_train[:, 0].cpu().numpy()  # step normaliser for sft_we
 def microbatch_loss(mb, num_pairs, num_chosen_targets):
     """-> (this micro-batch's share of the step loss, to backpropagate: its pairs' summed losses / the step's global
     number of pairs (+ sft_weight * its chosen responses' NLL / the step's global chosen target tokens), times
-    world_size because DDP and FSDP average gradients over ranks and we want their sum; its pair_stats, for the log)."""
+    world_size because DDP and FSDP average gradients over ranks and we want their sum; its pair_stats, for the log).
+    Under CP a group's ranks compute the same loss from sums added over the group, each backward its own tokens'."""
     with run.autocast:
         logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
     pc, pr = mb.pair_sums(logps)  # (P,) each: one index_add_ over sequence ids
@@ -140,7 +142,7 @@ def evaluate():
     the built-in task; printed and logged."""
     out = {}
     if len(targets_val):
-        policy = split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix)
+        policy = split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix, cp=run.cp)
         losses, rewards_c, rewards_r = dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
                                                 targets_val[:, 0], targets_val[:, 1], loss_type, beta,
                                                 label_smoothing, gamma)
@@ -214,8 +216,8 @@ while iter_num < max_iters:
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
     if update:  # a skipped step's statistics are NaN or infinite: counted in skipped_steps, not averaged in
-        for k in STATS:
-            stats_acc[k] += step_stats[k]
+        for k in STATS:  # a CP group's ranks hold the same pairs' statistics: its first rank counts them
+            stats_acc[k] += step_stats[k] * (run.cp.rank == 0)
         pairs_window += step.num_groups
         chosen_targets_window += num_chosen_targets
 

@@ -64,6 +64,7 @@ clip_eps = 0.2  # grpo: PPO's ratio clipping, active from a batch's second updat
 updates_per_batch = 1  # optimizer steps taken on each step's samples
 prefix_sharing = True  # each prompt computed once for its group, not k times: same numbers
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole groups)
+context_parallel = 1  # ranks splitting each training micro-batch's tokens (generation runs without: see sample())
 max_iters = 100  # steps (sample, then updates_per_batch updates)
 learning_rate = 2e-4  # the toy model; a pretrained init_from gets fine-tuning values (see configure below)
 min_lr = 2e-5
@@ -114,16 +115,18 @@ run = common.setup(config, "rl")
 model, raw_model, optimizer, device, tok = run.model, run.raw_model, run.optimizer, run.device, run.tok
 iter_num, max_iters, world_size, rank = run.start_iter, run.max_iters, run.world_size, run.rank
 sync_ranks = parallel == "fsdp" and world_size > 1  # FSDP2: every forward of generation is a collective
+first_of_group = run.cp.rank == 0  # what a CP group's ranks hold alike (its groups, pairs) is counted by this one
 
 
 def fits(ids, where):
     """A prompt's group must fit one micro-batch and its replies the model's positions, whatever they sample."""
     group = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
-    if len(ids) + max_new_tokens > raw_model.config.max_seq_len or group > microbatch_tokens:
+    if len(ids) + max_new_tokens > raw_model.config.max_seq_len or group > microbatch_tokens * context_parallel:
         fail(f"data error: {where}: the prompt has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and k={k} "
              f"its group needs up to {group} tokens, its replies {len(ids) + max_new_tokens} positions "
              f"(microbatch_tokens={microbatch_tokens}, max_seq_len={raw_model.config.max_seq_len}); raise "
-             f"microbatch_tokens, lower max_new_tokens or shorten the prompt")
+             f"microbatch_tokens, split it over GPUs with --context_parallel={-(-group // microbatch_tokens)} "
+             f"(torchrun), lower max_new_tokens or shorten the prompt")
 
 
 try:
@@ -167,7 +170,7 @@ def sample(step):
     """This rank's share of step `step`: (prompts, replies: k token lists per prompt, rewards (G, k), seconds spent in
     the reward function)."""
     first = step * prompts_per_step
-    mine = list(range(first + rank, first + prompts_per_step, world_size))  # global positions in the prompt stream
+    mine = list(range(first + run.cp.data_rank, first + prompts_per_step, run.cp.data_size))  # positions in the stream
     prompts = [train_prompts[permutation(i // len(train_prompts))[i % len(train_prompts)]] for i in mine]
     gens = [torch.Generator(device).manual_seed(hash((seed, i, j)) % 2**63) for i in mine for j in range(k)]
     model.eval()
@@ -176,7 +179,10 @@ def sample(step):
                            generator=gens, sync_ranks=sync_ranks, num_samples=k, top_p=top_p)
     model.train()
     t0 = time.perf_counter()
-    rewards = score(prompts, replies, k).view(-1, k)
+    rewards = score(prompts, replies, k).view(-1, k) if first_of_group else None
+    # generation without CP: a CP group's ranks draw the same replies (same prompts, generators and weights); its first
+    # rank's replies and rewards are the group's, so that a nondeterministic kernel or reward cannot set them apart
+    replies, rewards = run.cp.broadcast((replies, rewards))
     return prompts, [replies[g * k:(g + 1) * k] for g in range(len(prompts))], rewards, time.perf_counter() - t0
 
 
@@ -194,14 +200,14 @@ def training_batches(prompts, replies, rewards):
         size, advantages = 2, None
     data = group_data([prompts[g][0] for g in keep], groups)
     prefix = shared_prefixes(data, size) if prefix_sharing else None
-    bins = rank_bins(np.arange(len(keep)), unit_lengths(data, size, prefix), microbatch_tokens)
+    bins = rank_bins(np.arange(len(keep)), unit_lengths(data, size, prefix), microbatch_tokens * context_parallel)
     n_forwards = torch.tensor(len(bins), device=device)
     if world_size > 1:  # each rank's groups are its own: the busiest rank's count, found by one collective
         torch.distributed.all_reduce(n_forwards, op=torch.distributed.ReduceOp.MAX)
-    mbs = [make_batch(data, b, size, prefix) for b in bins + [[]] * (n_forwards.item() - len(bins))]
-    count = sum(mb.num_target_tokens for mb in mbs) if loss == "grpo" else len(keep)
-    normaliser, trained = all_reduce_sum([count, len(keep)], device)
-    return mbs, size, advantages, normaliser, trained, int(np.diff(data["offsets"]).sum())
+    mbs = [run.cp.split(make_batch(data, b, size, prefix)) for b in bins + [[]] * (n_forwards.item() - len(bins))]
+    count = sum(mb.num_target_tokens for mb in mbs) if loss == "grpo" else len(keep) * first_of_group
+    normaliser, trained = all_reduce_sum([count, len(keep) * first_of_group], device)
+    return mbs, size, advantages, normaliser, trained, int(np.diff(data["offsets"]).sum()) * first_of_group
 
 
 def microbatch_loss(mb, size, advantages, normaliser, old):
@@ -245,9 +251,10 @@ def evaluate():
 
 def log_step(step_loss, rewards, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm):
     """Every step's log line (a step takes seconds): its loss, the rewards of its samples on all ranks, its speed."""
-    flat = rewards.flatten()
+    flat = rewards.flatten()  # a CP group's ranks hold the same samples: means over them are unchanged
+    alone = first_of_group or loss == "grpo"  # online_dpo's pair losses are alike on a CP group (GRPO's: per token)
     perf, (loss_sum, r_sum, r2_sum, right, n, reply_tokens, unshared) = meter.read(train_s, 1, [
-        step_loss.item(), flat.sum().item(), (flat ** 2).sum().item(), (flat >= 1).sum().item(), len(flat),
+        step_loss.item() * alone, flat.sum().item(), (flat ** 2).sum().item(), (flat >= 1).sum().item(), len(flat),
         sum(len(r) for group in replies for r in group), unshared])
     mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
     metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=math.sqrt(max(r2_sum / n - mean ** 2, 0)),

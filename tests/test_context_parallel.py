@@ -4,8 +4,8 @@ The slices, checked in one process: every row of the stream lands on exactly one
 and target; every query sees exactly the keys it sees unsplit (the Megatron / LLaMA-Factory bug class: positions or
 keys of the wrong sequence); the stream is padded by fewer than cp rows; the head-tail split balances attention.
 The computation, under torchrun with gloo (tests/context_check.py): loss, per-sequence sums and every gradient equal
-one process. The script: train_sft.py with --context_parallel=2 takes one process's steps, resumes across CP degrees,
-and trains a sequence one GPU's microbatch_tokens refuses.
+one process. The scripts: train_sft.py, train_dpo.py and train_rl.py with --context_parallel=2 take one process's
+steps, resume across CP degrees, and train a sequence (a pair, a group) one GPU's microbatch_tokens refuses.
 """
 import json
 import os
@@ -22,6 +22,9 @@ from context import ContextParallel
 from context_check import MODELS, SFT, SHARED, batch
 from hf import SafetensorsFolder
 from packing import make_batch
+from test_lora_train import args as lora_args, assert_same_run as assert_same_lora_run
+from test_train_dpo import assert_same_run as assert_same_dpo_run, common_args as dpo_args, pairs  # noqa: F401
+from test_train_rl import args as rl_args, assert_same_run as assert_same_rl_run
 from test_train_sft import assert_same_run
 
 
@@ -167,3 +170,72 @@ def test_sft_resumes_across_context_parallel_degrees(tmp_path, chats):
                    nproc=then["context_parallel"])
         assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 3, 4]
         assert_same_run(straight, out_dir)
+
+
+# ---- train_dpo.py and train_rl.py end to end ------------------------------------------------------------------------
+
+def evaluations(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [m for m in map(json.loads, f) if "loss" not in m]
+
+
+def test_dpo_context_parallel_equals_one_process(tmp_path, pairs):
+    """A pair longer than microbatch_tokens is refused in one line naming --context_parallel; with it, two ranks take
+    one process's steps (tolerances: test_train_dpo.py), with a pair's prompt shared (reference cached: the cache and
+    the val loss computed under CP) and laid out whole (reference live, FSDP2)."""
+    refused = run_script("train_dpo.py", dpo_args(str(tmp_path / "no"), pairs, microbatch_tokens=128), check=False)
+    line = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode != 0 and "more than microbatch_tokens=128" in line and "--context_parallel=2" in line
+    one = str(tmp_path / "one")
+    run_script("train_dpo.py", dpo_args(one, pairs))
+    cached = lambda d: [np.load(os.path.join(d, "reference", f))
+                        for f in sorted(os.listdir(os.path.join(d, "reference"))) if f.endswith(".npy")]
+    for name, kw in (("shared", dict(microbatch_tokens=128)),  # pairs of up to 219 tokens, their prompt once
+                     ("whole", dict(microbatch_tokens=256, prefix_sharing=False, reference="live", parallel="fsdp"))):
+        out_dir = str(tmp_path / name)
+        run_script("train_dpo.py", dpo_args(out_dir, pairs, context_parallel=2, **kw), nproc=2)
+        assert_same_dpo_run(one, out_dir)
+        a, b = evaluations(one), evaluations(out_dir)
+        assert len(a) == len(b) == 2
+        for x, y in zip(a, b):  # val loss, reward accuracy and margin over the val split, at iter 0 and at the end
+            assert x == pytest.approx(y, rel=1e-5, abs=1e-6), name
+    for x, y in zip(cached(one), cached(str(tmp_path / "shared"))):  # the reference log-probs, train and val
+        np.testing.assert_allclose(x, y, rtol=1e-5)
+
+
+def test_dpo_resumes_from_context_parallel_into_one_process(tmp_path, pairs):
+    """LoRA, so that the reference is the policy with its adapters off: cut at iter 2 under cp=2, resumed in one
+    process, the straight one-process run's steps and adapters (tolerances: test_lora_train.py)."""
+    straight, cut = str(tmp_path / "straight"), str(tmp_path / "cut")
+    lr = dict(learning_rate=1e-3, min_lr=1e-3)
+    run_script("train_dpo.py", lora_args(straight, pairs, **lr))
+    run_script("train_dpo.py", lora_args(cut, pairs, max_iters=2, microbatch_tokens=128, context_parallel=2, **lr),
+               nproc=2)
+    out = run_script("train_dpo.py", as_args(out_dir=cut, init_from="resume", max_iters=4, microbatch_tokens=4096,
+                                             context_parallel=1))
+    assert "reference adapters_off" in out.stdout
+    assert [m["iter"] for m in step_metrics(cut)] == [1, 2, 3, 4]
+    assert_same_lora_run(straight, cut)
+
+
+@pytest.mark.parametrize("loss, parallel", [("grpo", "ddp"), ("online_dpo", "fsdp")])
+def test_rl_context_parallel_equals_one_process(tmp_path, loss, parallel):
+    """A group (prompt once, k replies) longer than microbatch_tokens is refused naming --context_parallel; with it,
+    two ranks (generating the same replies, training on slices) take one process's steps: GRPO with a second update
+    and a KL term to a live reference; online DPO (best and worst reply, their prompt shared) cut at iter 2 and
+    resumed in one process."""
+    kw = dict(loss=loss) if loss == "grpo" else dict(loss=loss, kl_coef=0.0, updates_per_batch=1, beta=1.0)
+    if loss == "grpo":
+        refused = run_script("train_rl.py", rl_args(str(tmp_path / "no"), microbatch_tokens=120), check=False)
+        line = refused.stderr.strip().splitlines()[-1]
+        assert refused.returncode != 0 and "microbatch_tokens=120" in line and "--context_parallel=2" in line
+    one, cp = str(tmp_path / "one"), str(tmp_path / "cp")
+    run_script("train_rl.py", rl_args(one, **kw))
+    cut = dict(max_iters=2) if loss == "online_dpo" else {}
+    run_script("train_rl.py", rl_args(cp, microbatch_tokens=120, context_parallel=2, parallel=parallel, **kw, **cut),
+               nproc=2)
+    if cut:
+        run_script("train_rl.py", as_args(out_dir=cp, init_from="resume", max_iters=3, microbatch_tokens=4096,
+                                          context_parallel=1))
+    assert_same_rl_run(one, cp)
+    assert [m["tokens"] for m in step_metrics(one)] == [m["tokens"] for m in step_metrics(cp)]  # counted once
