@@ -135,11 +135,12 @@ def worker(args):
         peaks.append(peak.peak - peak.start)
         model.zero_grad(set_to_none=True)
     mib = lambda d: sum(d.values()) / 2**20
-    print(json.dumps(dict(rank=rank, cp=world, tokens=mb.num_tokens, padding=mb.num_padding,
+    # one write of the whole line: the ranks share one pipe, and print's separate writes of text and end interleaved
+    os.write(1, (json.dumps(dict(rank=rank, cp=world, tokens=mb.num_tokens, padding=mb.num_padding,
                           saved_mib=mib(saved[False]), attention_mib=mib(saved[True]),
                           key_rows=int(mb.key_lengths().sum()), peak_mib=max(peaks[1:]) / 2**20,
                           seconds=statistics.median(times[1:]), gathered_mib=sent.get("all_gather", 0) / 2**20,
-                          scattered_mib=sent.get("reduce_scatter", 0) / 2**20)), flush=True)
+                          scattered_mib=sent.get("reduce_scatter", 0) / 2**20)) + "\n").encode())
     dist.destroy_process_group()
 
 
