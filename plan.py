@@ -37,8 +37,10 @@ from unittest import mock
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp._fully_shard import _fully_shard as fully_shard_module
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
@@ -147,8 +149,12 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         return read_hf_config(start["init_from"])
 
     def build_model(*a, **k):
-        with fake_mode or nullcontext(), mock.patch.object(torch.nn.Module, "to", module_to):
+        with mock.patch.object(torch.nn.Module, "to", module_to):
             return real["build_model"](*a, **k)
+
+    def default_mesh():  # FSDP2's device mesh, built outside fake mode: its rank map is read on the host
+        with unset_fake_temporarily():
+            return init_device_mesh("cpu", (gpus,))
 
     def setup(config, kind, builtin_sizes=None):
         state["run"] = real["setup"](config, kind, builtin_sizes)
@@ -169,7 +175,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         if state["steps"] == 2:
             state["tokens"], state["flops"] = meter.tokens - tokens, meter.flops - flops
 
-    real = dict(prepare_data=common.prepare_data, load_data=common.load_data, build_model=common.build_model,
+    real = dict(check_kind=common.check_kind, prepare_data=common.prepare_data, load_data=common.load_data, build_model=common.build_model,
                 setup=common.setup, set_lr=common.set_lr, count=__import__("metrics").Throughput.count)
     env = dict(WORLD_SIZE=str(gpus), RANK="0", LOCAL_RANK="0")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
@@ -177,15 +183,19 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         for name, new in [("setup_distributed", setup_distributed), ("prepare_data", prepare_data),
                           ("load_data", load_data), ("initial_config", initial_config), ("build_model", build_model),
                           ("setup", setup), ("set_lr", set_lr), ("refuse_non_finite", lambda *a: None),
+                          ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
                           ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
                           ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]:
             stack.enter_context(mock.patch.object(common, name, new))
+        stack.enter_context(mock.patch.object(fully_shard_module, "_init_default_mesh", default_mesh))
         stack.enter_context(mock.patch.object(common.StepGuard, "check", lambda self, *a: (True, False)))
         stack.enter_context(mock.patch.object(__import__("metrics").Throughput, "count", count))
         stack.enter_context(mock.patch.dict(os.environ, env))
         stack.enter_context(mock.patch.object(sys, "argv", script_args))
+        stack.enter_context(mock.patch.object(packing.PackedLoader, "__next__", real_batches))
         try:
-            runpy.run_path(script, run_name="__main__")
+            with fake_mode or nullcontext():
+                runpy.run_path(script, run_name="__main__")
         except Done:
             pass
         finally:
@@ -199,6 +209,15 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         raise SystemExit(f"plan: {script} ended before its second step finished")
     return dict(by_category=state["tracker"].peak(), phase=state["tracker"].phase, tokens=state["tokens"],
                 flops=state["flops"], config=state["config"])
+
+
+def real_batches(loader):
+    """The loader's next step, its tensors real even under FakeTensorMode: the model reads its boundaries on the host."""
+    with unset_fake_temporarily():
+        return REAL_NEXT(loader)
+
+
+REAL_NEXT = packing.PackedLoader.__next__
 
 
 def module_to(module, *args, **kwargs):
