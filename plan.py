@@ -46,6 +46,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import common
 import packing
+import reference
 from hf import read_hf_config
 from model import PRESETS, Transformer, config_from_preset
 
@@ -54,9 +55,9 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporarie
               "kv_cache", "allowance")
 # The tracker's categories -> ours. FSDP2's unsharded parameters and gradients are the all-gathered / to-be-reduced
 # copies of one block: they are memory the collectives hold, and do not shrink with more GPUs.
-TRACKER = {"Parameter": "parameters", "Buffer": "parameters", "Sharded Param": "parameters",
-           "Gradient": "gradients", "Sharded Grad": "gradients", "Optstate": "optimizer", "Activation": "activations",
-           "Temp": "temporaries", "Other": "temporaries", "Unsharded Param": "collectives",
+TRACKER = {"Parameter": "parameters", "Buffer": "parameters", "Sharded Param": "parameters", "Gradient": "gradients",
+           "Sharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer", "Activation": "activations",
+           "Inputs": "activations", "Temp": "temporaries", "Other": "temporaries", "Unsharded Param": "collectives",
            "Unsharded Grad": "collectives", "All Gather": "collectives", "Reduce Scatter": "collectives"}
 # Memory no tensor holds, on a GPU: the CUDA context with PyTorch's kernels loaded (~0.5 GiB on an H100, CUDA 12),
 # NCCL's communicators and buffers (~0.5 GiB for one 8-GPU node at default NCCL_BUFFSIZE), and the caching
@@ -76,8 +77,7 @@ class PhaseTracker:
     def __init__(self, model, optimizer):
         fsdp = hasattr(model, "set_requires_gradient_sync") and dist.is_initialized()
         self.tracker = FSDPMemTracker(model, optimizer) if fsdp else MemTracker()
-        if not fsdp:
-            self.tracker.track_external(model, optimizer)
+        self.tracker.track_external(optimizer, *([] if fsdp else [model]))  # the state of the steps before
         self.phase, peak_stats = "forward", self.tracker._update_peak_stats
 
         def update_peak_stats(state):  # the tracker's own update, then: did the peak just move?
@@ -87,13 +87,18 @@ class PhaseTracker:
                 self.phase = ("optimizer" if self.tracker._in_opt else
                               "backward" if self.tracker._mod_tracker.is_bw else "forward")
         self.tracker._update_peak_stats = update_peak_stats
-        pre_forward = self.tracker._pre_fw_hook
 
-        def pre_fw_hook(module, inputs):  # each micro-batch's forward is a new one: the tracker allows one per stats
-            if module is model and not self.tracker._mod_tracker.is_bw:
+        def new_forward(module, inputs):  # each micro-batch's forward starts the tracker's module stats anew (it
+            if module is model and not self.tracker._mod_tracker.is_bw:  # takes a second one for a second step)
                 self.tracker.reset_mod_stats()
-            pre_forward(module, inputs)
-        self.tracker._pre_fw_hook = pre_fw_hook
+        self.hook = torch.nn.modules.module.register_module_forward_pre_hook(new_forward)  # before the tracker's
+
+    def __enter__(self):
+        self.tracker.__enter__()
+
+    def __exit__(self, *exc):
+        self.tracker.__exit__(*exc)
+        self.hook.remove()
 
     def peak(self):
         """-> {category: bytes} at the peak moment."""
@@ -164,14 +169,15 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         state["steps"] += 1
         if state["steps"] == 2:  # the steady state, the optimizer state allocated: measured from here on
             state["tracker"] = PhaseTracker(state["run"].model, state["run"].optimizer)
-            state["tracker"].tracker.__enter__()
+            state["tracker"].__enter__()
         if state["steps"] == 3:
             raise Done
         return real["set_lr"](optimizer, lr)
 
     def count(meter, microbatches, data_time):
         tokens, flops = meter.tokens, meter.flops
-        real["count"](meter, microbatches, data_time)
+        with unset_fake_temporarily():  # host bookkeeping: lengths in, FLOPs out
+            real["count"](meter, microbatches, data_time)
         if state["steps"] == 2:
             state["tokens"], state["flops"] = meter.tokens - tokens, meter.flops - flops
 
@@ -192,7 +198,13 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         stack.enter_context(mock.patch.object(__import__("metrics").Throughput, "count", count))
         stack.enter_context(mock.patch.dict(os.environ, env))
         stack.enter_context(mock.patch.object(sys, "argv", script_args))
-        stack.enter_context(mock.patch.object(packing.PackedLoader, "__next__", real_batches))
+        for module in [m for m in list(sys.modules.values()) if getattr(m, "make_batch", None) is REAL_MAKE_BATCH]:
+            stack.enter_context(mock.patch.object(module, "make_batch", real_batch))
+        stack.enter_context(mock.patch.object(reference, "build_model", build_model))  # a live reference's copy
+        if fake:  # cached log-probs are computed before training and never seen by the step: zeros stand for them
+            build = reference.Reference.build.__func__
+            stack.enter_context(mock.patch.object(reference.Reference, "build", classmethod(
+                lambda cls, mode, *a, **k: build(cls, "none" if mode == "cached" else mode, *a, **k))))
         try:
             with fake_mode or nullcontext():
                 runpy.run_path(script, run_name="__main__")
@@ -200,7 +212,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             pass
         finally:
             if state["steps"] >= 2:
-                state["tracker"].tracker.__exit__(None, None, None)
+                state["tracker"].__exit__(None, None, None)
             if dist.is_initialized():
                 dist.destroy_process_group()
             for s, h in handlers.items():
@@ -211,13 +223,14 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                 flops=state["flops"], config=state["config"])
 
 
-def real_batches(loader):
-    """The loader's next step, its tensors real even under FakeTensorMode: the model reads its boundaries on the host."""
+def real_batch(*args, **kwargs):
+    """packing.make_batch, its tensors real even under FakeTensorMode: the model reads boundaries and targets on the
+    host."""
     with unset_fake_temporarily():
-        return REAL_NEXT(loader)
+        return REAL_MAKE_BATCH(*args, **kwargs)
 
 
-REAL_NEXT = packing.PackedLoader.__next__
+REAL_MAKE_BATCH = packing.make_batch
 
 
 def module_to(module, *args, **kwargs):
