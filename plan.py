@@ -37,7 +37,7 @@ from unittest import mock
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp._fully_shard import _fully_shard as fully_shard_module
@@ -126,7 +126,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     -- what the tests compare the plan against."""
     out_dir = tempfile.mkdtemp(prefix="plan-")
     script_args = [script, *args, f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000",
-                   "--eval_interval=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu"]
+                   "--eval_interval=0", "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu"]
     if device == "cuda":
         script_args.append("--dtype=bfloat16")
     state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None)
@@ -200,7 +200,18 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         stack.enter_context(mock.patch.object(sys, "argv", script_args))
         for module in [m for m in list(sys.modules.values()) if getattr(m, "make_batch", None) is REAL_MAKE_BATCH]:
             stack.enter_context(mock.patch.object(module, "make_batch", real_batch))
+        stack.enter_context(mock.patch.object(torch.Tensor, "item", fake_item))  # a printed loss, an evaluation
+        stack.enter_context(mock.patch.object(torch.Tensor, "tolist", fake_tolist))
+        for name in ("register_hook", "register_post_accumulate_grad_hook"):
+            stack.enter_context(mock.patch.object(torch.Tensor, name, frozen_hook(getattr(torch.Tensor, name))))
         stack.enter_context(mock.patch.object(reference, "build_model", build_model))  # a live reference's copy
+        of_model = reference.Reference.of_model.__func__
+
+        def reference_model(cls, mode, run):  # a live reference's frozen copy: its parameters are its own category
+            ref = of_model(cls, mode, run)
+            state["reference"] = ref.model if mode == "live" else None
+            return ref
+        stack.enter_context(mock.patch.object(reference.Reference, "of_model", classmethod(reference_model)))
         if fake:  # cached log-probs are computed before training and never seen by the step: zeros stand for them
             build = reference.Reference.build.__func__
             stack.enter_context(mock.patch.object(reference.Reference, "build", classmethod(
@@ -219,8 +230,36 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                 signal.signal(s, h)
     if state["steps"] < 3:
         raise SystemExit(f"plan: {script} ended before its second step finished")
-    return dict(by_category=state["tracker"].peak(), phase=state["tracker"].phase, tokens=state["tokens"],
+    by_category = state["tracker"].peak()
+    if state.get("reference") is not None:
+        local = lambda p: p.to_local() if hasattr(p, "to_local") else p
+        moved = sum(local(p).untyped_storage().nbytes() for p in state["reference"].parameters())
+        by_category["parameters"] -= moved
+        by_category["reference"] += moved
+    return dict(by_category=by_category, phase=state["tracker"].phase, tokens=state["tokens"],
                 flops=state["flops"], config=state["config"])
+
+
+def fake_item(t):
+    """Tensor.item: 1 for a fake tensor, which has no value (a loss to print, AdamW's step count): 1 divides."""
+    return (1.0 if t.is_floating_point() else 1) if isinstance(t, FakeTensor) else REAL_ITEM(t)
+
+
+def fake_tolist(t):
+    return np.ones(t.shape, dtype=np.float64 if t.is_floating_point() else np.int64).tolist() \
+        if isinstance(t, FakeTensor) else REAL_TOLIST(t)
+
+
+REAL_ITEM, REAL_TOLIST = torch.Tensor.item, torch.Tensor.tolist
+
+
+def frozen_hook(register):
+    """Tensor.register_hook (or its post-accumulate kin), a no-op on a frozen tensor (no gradient will come): the
+    tracker hooks every parameter of a module, a LoRA base's and a live reference's too."""
+    return lambda t, hook: register(t, hook) if t.requires_grad else torch.utils.hooks.RemovableHandle(NO_HOOKS)
+
+
+NO_HOOKS = torch.utils.hooks.OrderedDict()
 
 
 def real_batch(*args, **kwargs):
