@@ -115,7 +115,7 @@ def worst_case_data(c, group_size, max_seq_len):
     max_seq_len) tokens, all trained; a pair's chosen and rejected differ from their first token (nothing shared)."""
     n = max(1, min(c["max_len"], c["microbatch_tokens"] // group_size, max_seq_len))
     units = c["batch_size"]
-    ids = np.ones((units, group_size, n), dtype=np.int64) + np.arange(group_size)[None, :, None]  # chosen 1s, rejected 2s
+    ids = np.ones((units, group_size, n), dtype=np.int64) + np.arange(group_size)[None, :, None]  # chosen 1, rejected 2
     offsets = np.arange(units * group_size + 1, dtype=np.int64) * n
     return dict(ids=ids.reshape(-1), offsets=offsets, loss_mask=np.ones(units * group_size * n, dtype=np.uint8))
 
@@ -126,7 +126,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     -- what the tests compare the plan against."""
     out_dir = tempfile.mkdtemp(prefix="plan-")
     script_args = [script, *args, f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000",
-                   "--eval_interval=0", "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu"]
+                   "--eval_interval=0", "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False",
+                   "--device=cpu"]
     if device == "cuda":
         script_args.append("--dtype=bfloat16")
     state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None)
@@ -181,7 +182,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         if state["steps"] == 2:
             state["tokens"], state["flops"] = meter.tokens - tokens, meter.flops - flops
 
-    real = dict(check_kind=common.check_kind, prepare_data=common.prepare_data, load_data=common.load_data, build_model=common.build_model,
+    real = dict(check_kind=common.check_kind, prepare_data=common.prepare_data, load_data=common.load_data,
+                build_model=common.build_model,
                 setup=common.setup, set_lr=common.set_lr, count=__import__("metrics").Throughput.count)
     env = dict(WORLD_SIZE=str(gpus), RANK="0", LOCAL_RANK="0")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
