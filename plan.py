@@ -9,20 +9,23 @@ plan.py's own keys: --gpus (the world size planned, default 1), --gpu_memory (Gi
 the figures there), --device ('cuda', default: a GPU run, bfloat16; 'cpu': the script's CPU run). Every other
 --key=value and config file is the script's own. The script runs unchanged (runpy) as rank 0 of a fake process group
 of --gpus ranks, its model and optimizer built under FakeTensorMode: parameters, gradients, optimizer state and
-activations have shapes and sizes but no storage, so an 8B model plans in seconds on a laptop. Two optimizer steps
+activations have shapes and sizes but no storage, so an 8B model plans on a laptop with no weights. Two optimizer steps
 run; the second, with the optimizer state allocated, is the one measured, by torch's MemTracker (FSDPMemTracker under
 FSDP2), which sees every tensor the step allocates. Swapped, because they mean nothing on fake tensors: reading
 weights (a model folder's config.json, or a preset at its own vocabulary, is enough), the checks of weight and loss
-values, checkpoints and exports (the plan stops before them). Data that is not a file or folder on this machine
-('builtin' too) is the worst case: every micro-batch filled to microbatch_tokens with sequences of
-min(max_len, microbatch_tokens / group) tokens (no shared prompt for DPO pairs).
+values, checkpoints and exports (the plan stops before them), a cached DPO reference (zeros stand for log-probs
+computed before training), and a value read from a fake tensor (.item() and .tolist() read 1s: a loss to print,
+AdamW's step count). Data that is not a file or folder on this machine ('builtin' too) is the worst case: every
+micro-batch filled to microbatch_tokens with sequences of min(max_len, microbatch_tokens / group) tokens (no shared
+prompt for DPO pairs); data on disk is the run's own first two steps.
 
 What it cannot see: this torch is a CPU build, so a GPU run is planned on CPU fake tensors with the GPU's precision
 (bfloat16 compute; FSDP2's float32 shards) and the CPU's attention: SDPA's flash kernel for CPU keeps the output and
 the log-sum-exp, as the CUDA flash / varlen kernels do (no L x L scores; a DPO shared prompt's masked attention does
 score L x L here). The CUDA context, NCCL's buffers and the caching allocator's fragmentation hold no tensors: they
 are one stated allowance (ALLOWANCE_GIB). Kernel workspaces (cuBLAS, compiled code) are not seen; nor is a tensor
-a kernel allocates inside itself.
+a kernel allocates inside itself. Not planned yet: train_rl.py (its generation phase and KV cache: the kv_cache
+category stays 0), a fake CUDA device (the CUDA branches of the code).
 """
 import json
 import os
@@ -59,10 +62,10 @@ TRACKER = {"Parameter": "parameters", "Buffer": "parameters", "Sharded Param": "
            "Sharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer", "Activation": "activations",
            "Inputs": "activations", "Temp": "temporaries", "Other": "temporaries", "Unsharded Param": "collectives",
            "Unsharded Grad": "collectives", "All Gather": "collectives", "Reduce Scatter": "collectives"}
-# Memory no tensor holds, on a GPU: the CUDA context with PyTorch's kernels loaded (~0.5 GiB on an H100, CUDA 12),
-# NCCL's communicators and buffers (~0.5 GiB for one 8-GPU node at default NCCL_BUFFSIZE), and the caching
-# allocator's fragmentation and cached blocks: reserved over allocated, 5-10% in torchtitan's and PyTorch's published
-# memory snapshots, taken here as 8% of the tensors' peak. These are public orders of magnitude, not measured here.
+# Memory no tensor holds, on a GPU: the CUDA context with PyTorch's kernels loaded and NCCL's communicators and
+# buffers (taken as 1 GiB together), and the caching allocator's fragmentation and cached blocks (reserved over
+# allocated, taken as 8% of the tensors' peak). Assumed orders of magnitude, not measured: no GPU was at hand when
+# this was written; a measurement on the GPU that will run the job should replace them.
 ALLOWANCE_GIB, FRAGMENTATION = 1.0, 0.08
 PLAN_KEYS = dict(gpus=1, gpu_memory=80.0, json="", device="cuda")
 
