@@ -25,7 +25,8 @@ the log-sum-exp, as the CUDA flash / varlen kernels do (no L x L scores; a DPO s
 score L x L here). The CUDA context, NCCL's buffers and the caching allocator's fragmentation hold no tensors: they
 are one stated allowance (ALLOWANCE_GIB). Kernel workspaces (cuBLAS, compiled code) are not seen; nor is a tensor
 a kernel allocates inside itself. Not planned yet: train_rl.py (its generation phase and KV cache: the kv_cache
-category stays 0), a fake CUDA device (the CUDA branches of the code).
+category stays 0), DDP on more than one GPU (its reducer runs no fake tensors), a fake CUDA device (the CUDA branches
+of the code).
 """
 import json
 import os
@@ -166,6 +167,10 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             return init_device_mesh("cpu", (gpus,))
 
     def setup(config, kind, builtin_sizes=None):
+        if gpus > 1 and config["parallel"] == "ddp":
+            raise SystemExit("plan: parallel='ddp' on more than one GPU is not planned: torch's DDP reducer does not "
+                             "run on fake tensors; plan --gpus=1 (a DDP rank holds what one process does, plus "
+                             "gradient buckets of up to a gradient's size) or --parallel=fsdp")
         state["run"] = real["setup"](config, kind, builtin_sizes)
         return state["run"]
 
