@@ -322,6 +322,7 @@ def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=25
         if not f["fits"]:
             hi = 2 * lo
         elif f["peak_gib"] == last["peak_gib"]:  # the same micro-batches: larger budgets are all the same
+            first["search_capped"] = True
             return lo * step
         else:
             lo, last = 2 * lo, f
@@ -340,7 +341,8 @@ def table(f, seconds):
     rows += [f"{'peak':<12} {f['peak_gib']:8.2f}  in {f['peak_phase']}, of {f['gpu_memory_gib']:g} GiB: "
              f"{'fits' if f['fits'] else 'does NOT fit'}",
              f"largest microbatch_tokens that fits: {f['max_microbatch_tokens']:,} (planned at "
-             f"{f['microbatch_tokens']:,})",
+             f"{f['microbatch_tokens']:,})" + (", and any larger: a rank's whole step is one micro-batch there"
+                                                if f.get("search_capped") else ""),
              f"per step: {f['tokens_per_step']:,} tokens, {f['flops_per_step']:.3e} model FLOPs | "
              f"world size {f['world_size']} | planned in {seconds:.1f}s"]
     return "\n".join(rows)
