@@ -6,6 +6,7 @@ The fast paths, each tested against a reference (tests/test_rope.py, tests/test_
 """
 import os
 
+import numpy as np
 import torch
 
 HAS_TRITON = False
@@ -133,8 +134,9 @@ def _chunk_grads(logp, h, w, targets, scale, dtype):
 
 
 def _select(h, w, targets, dtype):
-    # positions without a target skip the head entirely (e.g. prompt tokens in SFT); nonzero syncs once
-    idx = (targets != IGNORE_INDEX).nonzero().squeeze(1)
+    # positions without a target skip the head entirely (e.g. prompt tokens in SFT), found on the host (a sync, as
+    # nonzero's size is): from the targets as they are, so that fake parameters (plan.py) still give a real index
+    idx = torch.tensor(np.flatnonzero(np.array(targets.tolist()) != IGNORE_INDEX), device=targets.device)
     return idx, h.index_select(0, idx).to(dtype), w.to(dtype), targets.index_select(0, idx)
 
 

@@ -18,6 +18,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -214,8 +215,10 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=Non
     groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     # split, not slicing in the loop: the backward of split is one cat, a slice's is a zero (T, H, D) each
-    lens = (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
-    k_lens = lens if cu_seqlens_k is None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1]).tolist()
+    # the boundaries read as they are, then subtracted on the host: an op on cu_seqlens first would make its result
+    # data-dependent under fake tensors (plan.py passes real cu_seqlens to a model of fake parameters)
+    lens = np.diff(cu_seqlens.tolist()).tolist()
+    k_lens = lens if cu_seqlens_k is None else np.diff(cu_seqlens_k.tolist()).tolist()
     outs = []
     # 4-D (1, H, L, D): with 3-D inputs CPU SDPA takes its slower math path (O(L^2) memory), not flash
     for qi, ki, vi in zip(q.split(lens), k.split(k_lens), v.split(k_lens)):

@@ -115,7 +115,7 @@ ref = Reference.build(ref_mode, run, ref_key, val_prefix)
 ref_cache_seconds = time.perf_counter() - t_ref
 targets_train, targets_val = (torch.tensor(target_counts(d).reshape(-1, 2), dtype=torch.float32, device=device)
                               for d in (run.train_data, run.val_data))  # (P, 2): what dpo_norm, ipo, simpo divide by
-chosen_targets = targets_train[:, 0].cpu().numpy()  # step normaliser for sft_weight, read on the host
+chosen_targets = target_counts(run.train_data).reshape(-1, 2)[:, 0]  # step normaliser for sft_weight, on the host
 
 
 def microbatch_loss(mb, num_pairs, num_chosen_targets):

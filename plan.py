@@ -1,0 +1,381 @@
+"""
+Will this run fit? Runs a training script's own step on fake tensors and reports the peak memory of one GPU.
+
+    python plan.py train_sft.py config/sft_llama3.1_8b_fsdp.py --gpus=8 --gpu_memory=80 [--json=plan.json]
+    python plan.py train_dpo.py --preset=llama-3.1-8b --gpus=1 --lora_rank=16 --quantize_base=nf4
+    python plan.py train_sft.py --preset=tiny --device=cpu     # a CPU run: no allowance, float32 as the script runs
+
+plan.py's own keys: --gpus (the world size planned, default 1), --gpu_memory (GiB per GPU, default 80), --json (write
+the figures there), --device ('cuda', default: a GPU run, bfloat16; 'cpu': the script's CPU run). Every other
+--key=value and config file is the script's own. The script runs unchanged (runpy) as rank 0 of a fake process group
+of --gpus ranks, its model and optimizer built under FakeTensorMode: parameters, gradients, optimizer state and
+activations have shapes and sizes but no storage, so an 8B model plans on a laptop with no weights. Two optimizer steps
+run; the second, with the optimizer state allocated, is the one measured, by torch's MemTracker (FSDPMemTracker under
+FSDP2), which sees every tensor the step allocates. Swapped, because they mean nothing on fake tensors: reading
+weights (a model folder's config.json, or a preset at its own vocabulary, is enough), the checks of weight and loss
+values, checkpoints and exports (the plan stops before them), a cached DPO reference (zeros stand for log-probs
+computed before training), and a value read from a fake tensor (.item() and .tolist() read 1s: a loss to print,
+AdamW's step count). Data that is not a file or folder on this machine ('builtin' too) is the worst case: every
+micro-batch filled to microbatch_tokens with sequences of min(max_len, microbatch_tokens / group) tokens (no shared
+prompt for DPO pairs); data on disk is the run's own first two steps.
+
+What it cannot see: this torch is a CPU build, so a GPU run is planned on CPU fake tensors with the GPU's precision
+(bfloat16 compute; FSDP2's float32 shards) and the CPU's attention: SDPA's flash kernel for CPU keeps the output and
+the log-sum-exp, as the CUDA flash / varlen kernels do (no L x L scores; a DPO shared prompt's masked attention does
+score L x L here). The CUDA context, NCCL's buffers and the caching allocator's fragmentation hold no tensors: they
+are one stated allowance (ALLOWANCE_GIB). Kernel workspaces (cuBLAS, compiled code) are not seen; nor is a tensor
+a kernel allocates inside itself. Not planned yet: train_rl.py (its generation phase and KV cache: the kv_cache
+category stays 0), DDP on more than one GPU (its reducer runs no fake tensors), a fake CUDA device (the CUDA branches
+of the code).
+"""
+import json
+import os
+import runpy
+import signal
+import sys
+import tempfile
+import time
+from contextlib import ExitStack, nullcontext, redirect_stdout
+from unittest import mock
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp._fully_shard import _fully_shard as fully_shard_module
+from torch.distributed._tools.mem_tracker import MemTracker
+from torch.testing._internal.distributed.fake_pg import FakeStore
+
+import common
+import packing
+import reference
+from hf import read_hf_config
+from model import PRESETS, Transformer, config_from_preset
+
+GIB = 2 ** 30
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "collectives", "reference",
+              "kv_cache", "allowance")
+# The tracker's categories -> ours. FSDP2's unsharded parameters and gradients are the all-gathered / to-be-reduced
+# copies of one block: they are memory the collectives hold, and do not shrink with more GPUs.
+TRACKER = {"Parameter": "parameters", "Buffer": "parameters", "Sharded Param": "parameters", "Gradient": "gradients",
+           "Sharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer", "Activation": "activations",
+           "Inputs": "activations", "Temp": "temporaries", "Other": "temporaries", "Unsharded Param": "collectives",
+           "Unsharded Grad": "collectives", "All Gather": "collectives", "Reduce Scatter": "collectives"}
+# Memory no tensor holds, on a GPU: the CUDA context with PyTorch's kernels loaded and NCCL's communicators and
+# buffers (taken as 1 GiB together), and the caching allocator's fragmentation and cached blocks (reserved over
+# allocated, taken as 8% of the tensors' peak). Assumed orders of magnitude, not measured: no GPU was at hand when
+# this was written; a measurement on the GPU that will run the job should replace them.
+ALLOWANCE_GIB, FRAGMENTATION = 1.0, 0.08
+PLAN_KEYS = dict(gpus=1, gpu_memory=80.0, json="", device="cuda")
+
+
+class Done(Exception):
+    """Raised at the start of the third step: two steps ran."""
+
+
+class PhaseTracker:
+    """The tracker, remembering the phase (forward / backward / optimizer) of its peak."""
+
+    def __init__(self, model, optimizer):
+        fsdp = hasattr(model, "set_requires_gradient_sync") and dist.is_initialized()
+        self.tracker = FSDPMemTracker(model, optimizer) if fsdp else MemTracker()
+        self.tracker.track_external(optimizer, *([] if fsdp else [model]))  # the state of the steps before
+        self.phase, peak_stats = "forward", self.tracker._update_peak_stats
+
+        def update_peak_stats(state):  # the tracker's own update, then: did the peak just move?
+            before = dict(self.tracker._peak_mem)
+            peak_stats(state)
+            if self.tracker._peak_mem != before:
+                self.phase = ("optimizer" if self.tracker._in_opt else
+                              "backward" if self.tracker._mod_tracker.is_bw else "forward")
+        self.tracker._update_peak_stats = update_peak_stats
+
+        def new_forward(module, inputs):  # each micro-batch's forward starts the tracker's module stats anew (it
+            if module is model and not self.tracker._mod_tracker.is_bw:  # takes a second one for a second step)
+                self.tracker.reset_mod_stats()
+        self.hook = torch.nn.modules.module.register_module_forward_pre_hook(new_forward)  # before the tracker's
+
+    def __enter__(self):
+        self.tracker.__enter__()
+
+    def __exit__(self, *exc):
+        self.tracker.__exit__(*exc)
+        self.hook.remove()
+
+    def peak(self):
+        """-> {category: bytes} at the peak moment."""
+        out = dict.fromkeys(CATEGORIES, 0)
+        for snap in self.tracker.get_tracker_snapshot("peak").values():
+            for key, nbytes in snap.items():
+                if key != "Total":
+                    out[TRACKER.get(str(getattr(key, "value", key)), "temporaries")] += nbytes
+        return out
+
+
+def worst_case_data(c, group_size, max_seq_len):
+    """Token data of one step's units (SFT examples, DPO pairs), each sequence min(max_len, microbatch_tokens / group,
+    max_seq_len) tokens, all trained; a pair's chosen and rejected differ from their first token (nothing shared)."""
+    n = max(1, min(c["max_len"], c["microbatch_tokens"] // group_size, max_seq_len))
+    units = c["batch_size"]
+    ids = np.ones((units, group_size, n), dtype=np.int64) + np.arange(group_size)[None, :, None]  # chosen 1, rejected 2
+    offsets = np.arange(units * group_size + 1, dtype=np.int64) * n
+    return dict(ids=ids.reshape(-1), offsets=offsets, loss_mask=np.ones(units * group_size * n, dtype=np.uint8))
+
+
+def plan_step(script, args, gpus=1, device="cuda", fake=True):
+    """Run `script` with `args` for two steps as rank 0 of `gpus` -> dict of the second step's peak memory by
+    category (bytes), its phase, tokens and FLOPs on this rank. fake=False: the same, with real tensors (one process)
+    -- what the tests compare the plan against."""
+    out_dir = tempfile.mkdtemp(prefix="plan-")
+    script_args = [script, *args, f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000",
+                   "--eval_interval=0", "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False",
+                   "--device=cpu"]
+    if device == "cuda":
+        script_args.append("--dtype=bfloat16")
+    state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None)
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+
+    def setup_distributed(device_name="auto", timeout_s=300):
+        if gpus > 1:
+            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
+        return 0, gpus, torch.device("cpu")
+
+    def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
+        state["config"], state["kind"], state["max_seq_len"] = c, kind, max_seq_len
+        return real["prepare_data"](c, out_dir, tok, kind, max_seq_len, builtin_sizes) if on_disk(c["data"]) else None
+
+    def load_data(data_dir, tok):
+        if data_dir is not None:
+            return real["load_data"](data_dir, tok)
+        data = worst_case_data(state["config"], 2 if state["kind"] == "dpo" else 1, state["max_seq_len"])
+        return data, data
+
+    def initial_config(start, tok):  # a preset at its own vocabulary: the byte tokenizer would shrink the head
+        if start["init_from"] == "scratch":
+            vocab = max(PRESETS[start["preset"]]["vocab_size"], tok.vocab_size)
+            return config_from_preset(start["preset"], vocab_size=vocab)
+        return read_hf_config(start["init_from"])
+
+    def build_model(*a, **k):
+        with mock.patch.object(torch.nn.Module, "to", module_to):
+            return real["build_model"](*a, **k)
+
+    def default_mesh():  # FSDP2's device mesh, built outside fake mode: its rank map is read on the host
+        with unset_fake_temporarily():
+            return init_device_mesh("cpu", (gpus,))
+
+    def setup(config, kind, builtin_sizes=None):
+        if gpus > 1 and config["parallel"] == "ddp":
+            raise SystemExit("plan: parallel='ddp' on more than one GPU is not planned: torch's DDP reducer does not "
+                             "run on fake tensors; plan --gpus=1 (a DDP rank holds what one process does, plus "
+                             "gradient buckets of up to a gradient's size) or --parallel=fsdp")
+        state["run"] = real["setup"](config, kind, builtin_sizes)
+        return state["run"]
+
+    def set_lr(optimizer, lr):
+        state["steps"] += 1
+        if state["steps"] == 2:  # the steady state, the optimizer state allocated: measured from here on
+            state["tracker"] = PhaseTracker(state["run"].model, state["run"].optimizer)
+            state["tracker"].__enter__()
+        if state["steps"] == 3:
+            raise Done
+        return real["set_lr"](optimizer, lr)
+
+    def count(meter, microbatches, data_time):
+        tokens, flops = meter.tokens, meter.flops
+        with unset_fake_temporarily():  # host bookkeeping: lengths in, FLOPs out
+            real["count"](meter, microbatches, data_time)
+        if state["steps"] == 2:
+            state["tokens"], state["flops"] = meter.tokens - tokens, meter.flops - flops
+
+    real = dict(check_kind=common.check_kind, prepare_data=common.prepare_data, load_data=common.load_data,
+                build_model=common.build_model,
+                setup=common.setup, set_lr=common.set_lr, count=__import__("metrics").Throughput.count)
+    env = dict(WORLD_SIZE=str(gpus), RANK="0", LOCAL_RANK="0")
+    handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with ExitStack() as stack:
+        for name, new in [("setup_distributed", setup_distributed), ("prepare_data", prepare_data),
+                          ("load_data", load_data), ("initial_config", initial_config), ("build_model", build_model),
+                          ("setup", setup), ("set_lr", set_lr), ("refuse_non_finite", lambda *a: None),
+                          ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
+                          ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
+                          ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]:
+            stack.enter_context(mock.patch.object(common, name, new))
+        stack.enter_context(mock.patch.object(fully_shard_module, "_init_default_mesh", default_mesh))
+        stack.enter_context(mock.patch.object(common.StepGuard, "check", lambda self, *a: (True, False)))
+        stack.enter_context(mock.patch.object(__import__("metrics").Throughput, "count", count))
+        stack.enter_context(mock.patch.dict(os.environ, env))
+        stack.enter_context(mock.patch.object(sys, "argv", script_args))
+        for module in [m for m in list(sys.modules.values()) if getattr(m, "make_batch", None) is REAL_MAKE_BATCH]:
+            stack.enter_context(mock.patch.object(module, "make_batch", real_batch))
+        stack.enter_context(mock.patch.object(torch.Tensor, "item", fake_item))  # a printed loss, an evaluation
+        stack.enter_context(mock.patch.object(torch.Tensor, "tolist", fake_tolist))
+        for name in ("register_hook", "register_post_accumulate_grad_hook"):
+            stack.enter_context(mock.patch.object(torch.Tensor, name, frozen_hook(getattr(torch.Tensor, name))))
+        stack.enter_context(mock.patch.object(reference, "build_model", build_model))  # a live reference's copy
+        of_model = reference.Reference.of_model.__func__
+
+        def reference_model(cls, mode, run):  # a live reference's frozen copy: its parameters are its own category
+            ref = of_model(cls, mode, run)
+            state["reference"] = ref.model if mode == "live" else None
+            return ref
+        stack.enter_context(mock.patch.object(reference.Reference, "of_model", classmethod(reference_model)))
+        if fake:  # cached log-probs are computed before training and never seen by the step: zeros stand for them
+            build = reference.Reference.build.__func__
+            stack.enter_context(mock.patch.object(reference.Reference, "build", classmethod(
+                lambda cls, mode, *a, **k: build(cls, "none" if mode == "cached" else mode, *a, **k))))
+        try:
+            with fake_mode or nullcontext():
+                runpy.run_path(script, run_name="__main__")
+        except Done:
+            pass
+        finally:
+            if state["steps"] >= 2:
+                state["tracker"].__exit__(None, None, None)
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            for s, h in handlers.items():
+                signal.signal(s, h)
+    if state["steps"] < 3:
+        raise SystemExit(f"plan: {script} ended before its second step finished")
+    by_category = state["tracker"].peak()
+    if state.get("reference") is not None:
+        local = lambda p: p.to_local() if hasattr(p, "to_local") else p
+        moved = sum(local(p).untyped_storage().nbytes() for p in state["reference"].parameters())
+        by_category["parameters"] -= moved
+        by_category["reference"] += moved
+    return dict(by_category=by_category, phase=state["tracker"].phase, tokens=state["tokens"],
+                flops=state["flops"], config=state["config"])
+
+
+def fake_item(t):
+    """Tensor.item: 1 for a fake tensor, which has no value (a loss to print, AdamW's step count): 1 divides."""
+    return (1.0 if t.is_floating_point() else 1) if isinstance(t, FakeTensor) else REAL_ITEM(t)
+
+
+def fake_tolist(t):
+    return np.ones(t.shape, dtype=np.float64 if t.is_floating_point() else np.int64).tolist() \
+        if isinstance(t, FakeTensor) else REAL_TOLIST(t)
+
+
+REAL_ITEM, REAL_TOLIST = torch.Tensor.item, torch.Tensor.tolist
+
+
+def frozen_hook(register):
+    """Tensor.register_hook (or its post-accumulate kin), a no-op on a frozen tensor (no gradient will come): the
+    tracker hooks every parameter of a module, a LoRA base's and a live reference's too."""
+    return lambda t, hook: register(t, hook) if t.requires_grad else torch.utils.hooks.RemovableHandle(NO_HOOKS)
+
+
+NO_HOOKS = torch.utils.hooks.OrderedDict()
+
+
+def real_batch(*args, **kwargs):
+    """packing.make_batch, its tensors real even under FakeTensorMode: the model reads boundaries and targets on the
+    host."""
+    with unset_fake_temporarily():
+        return REAL_MAKE_BATCH(*args, **kwargs)
+
+
+REAL_MAKE_BATCH = packing.make_batch
+
+
+def module_to(module, *args, **kwargs):
+    """Module.to, and nothing done where nothing is to do: torch cannot swap a fake parameter for itself."""
+    device, dtype = torch._C._nn._parse_to(*args, **kwargs)[:2]
+    if dtype is None and all(device is None or t.device == device for t in module.parameters()):
+        return module
+    return REAL_TO(module, *args, **kwargs)
+
+
+REAL_TO = torch.nn.Module.to
+
+
+def on_disk(data):
+    return data != "builtin" and os.path.exists(data)
+
+
+def figures(script, args, gpus, gpu_memory, device):
+    """One plan -> the figures of --json (allowance added for a GPU)."""
+    r = plan_step(script, args, gpus, device)
+    by = {k: v / GIB for k, v in r["by_category"].items()}
+    if device == "cuda":
+        by["allowance"] = ALLOWANCE_GIB + FRAGMENTATION * sum(by.values())
+    peak = sum(by.values())
+    return dict(world_size=gpus, gpu_memory_gib=gpu_memory, peak_gib=peak, peak_phase=r["phase"],
+                fits=peak <= gpu_memory, by_category_gib=by, tokens_per_step=int(r["tokens"]) * gpus,
+                flops_per_step=r["flops"] * gpus, microbatch_tokens=r["config"]["microbatch_tokens"])
+
+
+def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=256):
+    """The largest multiple of `step` tokens whose plan fits (0: none), by doubling then bisection; each plan is fake
+    compute, seconds. A budget past the step's whole share of a rank changes nothing: the search stops there."""
+    def plan_at(n):
+        progress(f"plan: microbatch_tokens={n:,}?")
+        return figures(script, [*args, f"--microbatch_tokens={n}"], gpus, gpu_memory, device)
+    at = max(1, first["microbatch_tokens"] // step)
+    lo, hi, last = (at, None, first) if first["fits"] else (0, at, first)
+    while hi is None:
+        f = plan_at(2 * lo * step)
+        if not f["fits"]:
+            hi = 2 * lo
+        elif f["peak_gib"] == last["peak_gib"]:  # the same micro-batches: larger budgets are all the same
+            first["search_capped"] = True
+            return lo * step
+        else:
+            lo, last = 2 * lo, f
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if plan_at(mid * step)["fits"] else (lo, mid)
+    return lo * step
+
+
+def progress(line):
+    print(line, file=sys.stderr, flush=True)
+
+
+def table(f, seconds):
+    rows = [f"{'category':<12} {'GiB':>8}"] + [f"{k:<12} {v:8.2f}" for k, v in f["by_category_gib"].items()]
+    rows += [f"{'peak':<12} {f['peak_gib']:8.2f}  in {f['peak_phase']}, of {f['gpu_memory_gib']:g} GiB: "
+             f"{'fits' if f['fits'] else 'does NOT fit'}",
+             f"largest microbatch_tokens that fits: {f['max_microbatch_tokens']:,} (planned at "
+             f"{f['microbatch_tokens']:,})" + (", and any larger: a rank's whole step is one micro-batch there"
+                                                if f.get("search_capped") else ""),
+             f"per step: {f['tokens_per_step']:,} tokens, {f['flops_per_step']:.3e} model FLOPs | "
+             f"world size {f['world_size']} | planned in {seconds:.1f}s"]
+    return "\n".join(rows)
+
+
+def main(argv):
+    if not argv or not argv[0].endswith(".py") or not os.path.isfile(argv[0]):
+        raise SystemExit("usage: python plan.py train_sft.py [config.py] [--gpus=8] [--gpu_memory=80] "
+                         "[--json=plan.json] [--device=cuda|cpu] [--key=value ...]")
+    t0, opts, args = time.perf_counter(), dict(PLAN_KEYS), []
+    for a in argv[1:]:
+        key, _, value = a[2:].partition("=")
+        if a.startswith("--") and key in PLAN_KEYS:
+            opts[key] = type(PLAN_KEYS[key])(value)
+        else:
+            args.append(a)
+    if opts["device"] not in ("cuda", "cpu") or opts["gpus"] < 1:
+        raise SystemExit(f"plan: --device={opts['device']!r} --gpus={opts['gpus']}; device is 'cuda' or 'cpu', "
+                         f"gpus at least 1")
+    script, plan_args = argv[0], (argv[0], args, opts["gpus"], opts["gpu_memory"], opts["device"])
+    progress(f"plan: {script} on {opts['gpus']} x {opts['gpu_memory']:g} GiB ({opts['device']}), two steps on fake "
+             f"tensors")
+    with redirect_stdout(sys.stderr):  # the script's own lines are progress; stdout is the table
+        f = figures(*plan_args)
+        f["max_microbatch_tokens"] = max_microbatch_tokens(*plan_args, f)
+    f["seconds"] = time.perf_counter() - t0
+    print(table(f, f["seconds"]))
+    if opts["json"]:
+        with open(opts["json"], "w") as out:
+            json.dump({k: f[k] for k in ("world_size", "gpu_memory_gib", "peak_gib", "peak_phase", "fits",
+                                         "max_microbatch_tokens", "by_category_gib", "tokens_per_step",
+                                         "flops_per_step", "seconds")}, out, indent=1)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
