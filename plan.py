@@ -24,9 +24,9 @@ What it cannot see: this torch is a CPU build, so a GPU run is planned on CPU fa
 the log-sum-exp, as the CUDA flash / varlen kernels do (no L x L scores; a DPO shared prompt's masked attention does
 score L x L here). The CUDA context, NCCL's buffers and the caching allocator's fragmentation hold no tensors: they
 are one stated allowance (ALLOWANCE_GIB). Kernel workspaces (cuBLAS, compiled code) are not seen; nor is a tensor
-a kernel allocates inside itself. Not planned yet: train_rl.py (its generation phase and KV cache: the kv_cache
-category stays 0), DDP on more than one GPU (its reducer runs no fake tensors), a fake CUDA device (the CUDA branches
-of the code).
+a kernel allocates inside itself. Not planned yet (each refused in one line): train_rl.py (its generation phase and
+KV cache), DDP on more than one GPU (its reducer runs no fake tensors), context parallelism (its slicing reads the
+batch's values), DPO's adapters_off reference; nor a fake CUDA device (the CUDA branches of the code).
 """
 import json
 import os
@@ -171,6 +171,12 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             raise SystemExit("plan: parallel='ddp' on more than one GPU is not planned: torch's DDP reducer does not "
                              "run on fake tensors; plan --gpus=1 (a DDP rank holds what one process does, plus "
                              "gradient buckets of up to a gradient's size) or --parallel=fsdp")
+        lora_dpo = kind == "dpo" and config["lora_rank"] and config["reference"] in ("auto", "adapters_off")
+        for what, unplanned in (("context_parallel > 1", config["context_parallel"] > 1),
+                                ("DPO's adapters_off reference (LoRA's default)", lora_dpo)):
+            if unplanned:  # one line, not a traceback from deep inside the step
+                raise SystemExit(f"plan: {what} is not planned yet (see plan.py's docstring)"
+                                 + "; plan --reference=cached or live" * lora_dpo)
         state["run"] = real["setup"](config, kind, builtin_sizes)
         return state["run"]
 
@@ -359,6 +365,9 @@ def main(argv):
             opts[key] = type(PLAN_KEYS[key])(value)
         else:
             args.append(a)
+    if os.path.basename(argv[0]) == "train_rl.py":
+        raise SystemExit("plan: train_rl.py is not planned yet (its generation phase and KV cache); train_sft.py and "
+                         "train_dpo.py are")
     if opts["device"] not in ("cuda", "cpu") or opts["gpus"] < 1:
         raise SystemExit(f"plan: --device={opts['device']!r} --gpus={opts['gpus']}; device is 'cuda' or 'cpu', "
                          f"gpus at least 1")

@@ -62,3 +62,13 @@ def test_llama_8b_plans_in_seconds_with_no_weights():
     assert time.perf_counter() - t0 < 120
     assert r["by_category"]["parameters"] == pytest.approx(8.03e9 * 4 / 8, rel=0.01)  # float32 shards, 1/8 each
     assert r["tokens"] == 512
+
+
+@pytest.mark.parametrize("argv,line", [
+    (["train_rl.py"], "plan: train_rl.py is not planned yet"),
+    (["train_sft.py", "--gpus=4", "--parallel=fsdp", "--context_parallel=2"], "plan: context_parallel > 1 is not"),
+    (["train_dpo.py", "--lora_rank=4"], "plan: DPO's adapters_off reference (LoRA's default) is not planned yet")])
+def test_what_is_not_planned_yet_is_one_line(argv, line):
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv[:1] + TINY + argv[1:])
+    assert str(e.value).startswith(line)
