@@ -93,12 +93,16 @@ if HAS_TRITON:
     _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 
 
+def rope_fits(head_dim):  # tl.arange spans half the head dim: a power of two; >= 16 is what the tests cover
+    return head_dim >= 16 and not head_dim & (head_dim - 1)
+
+
 def rope_fused(q, k, cos, sin, position_ids):
     """model.rope_reference's contract, as one Triton launch for Q and K together (backward: one more)."""
     if not HAS_TRITON:
         raise RuntimeError("rope_fused needs triton (pip install triton); use rope_reference instead")
     D = q.shape[-1]
-    if D < 16 or D & (D - 1) or k.shape[-1] != D or k.shape[0] != q.shape[0]:
+    if not rope_fits(D) or k.shape[-1] != D or k.shape[0] != q.shape[0]:
         raise ValueError(f"rope_fused needs q (T, Hq, D), k (T, Hkv, D) with D a power of two >= 16, "
                          f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
     cos, sin = cos.float().contiguous(), sin.float().contiguous()  # no-ops for the model's tables

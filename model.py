@@ -33,10 +33,10 @@ except ImportError:
 
 try:
     from torch.nn.attention.varlen import varlen_attn
-    if not {"window_size", "enable_gqa"} <= set(inspect.signature(varlen_attn).parameters):
-        varlen_attn = None  # an older signature (is_causal): flash_attn or SDPA is used instead
 except ImportError:
     varlen_attn = None
+# its keywords changed across releases (2.10: is_causal; later: window_size, then enable_gqa): we call what is there
+VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
 
 # Config ---------------------------------------------------------------------------------------------------------------
 
@@ -170,11 +170,15 @@ def rope_reference(q, k, cos, sin, position_ids):
     return rotate(q), rotate(k)
 
 
-ROPE_BACKEND = None  # None: fused on CUDA when triton is installed, else the reference; tests may force "fused"
+ROPE_BACKEND = None  # None: fused where it runs (rope_fusable), else the reference; tests may force "fused"
+
+
+def rope_fusable(is_cuda, head_dim):  # the Triton kernel: CUDA, a power-of-two head dim >= 16 (not 80, 96, a toy's 8)
+    return is_cuda and kernels.HAS_TRITON and kernels.rope_fits(head_dim)
 
 
 def apply_rope(q, k, cos, sin, position_ids):
-    if ROPE_BACKEND == "fused" or (ROPE_BACKEND is None and q.is_cuda and kernels.HAS_TRITON):
+    if ROPE_BACKEND == "fused" or (ROPE_BACKEND is None and rope_fusable(q.is_cuda, q.shape[-1])):
         return kernels.rope_fused(q, k, cos, sin, position_ids)
     return rope_reference(q, k, cos, sin, position_ids)
 
@@ -202,9 +206,13 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_se
     cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     if backend == "flash_attn":
         return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, causal=True, window_size=(left, 0))
-    if backend == "torch_varlen":
-        return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k,
-                           window_size=(left, 0), enable_gqa=q.shape[1] != k.shape[1])
+    if backend == "torch_varlen" and (sliding_window is None or "window_size" in VARLEN_KEYWORDS):
+        causal = dict(window_size=(left, 0)) if "window_size" in VARLEN_KEYWORDS else dict(is_causal=True)
+        if "enable_gqa" in VARLEN_KEYWORDS:
+            causal["enable_gqa"] = q.shape[1] != k.shape[1]
+        elif q.shape[1] != k.shape[1]:  # a release whose varlen_attn takes as many K/V heads as query heads
+            k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, **causal)
     return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k)
 
 

@@ -5,6 +5,7 @@ result, so a wrong call in model.varlen_attention fails here, and the whole mode
 """
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -31,20 +32,43 @@ def check_call(q, k, v, cu_q, cu_k, max_q, max_k, config, shared):
     assert type(max_q) is int and type(max_k) is int and max_q == max(lens_q) and max_k == max(lens_k)
 
 
+# torch's varlen_attn keywords by release: 2.10/2.11 is_causal (K/V heads = query heads), then window_size, then
+# enable_gqa (GQA in the kernel)
+VARLEN_RELEASES = {"torch_varlen": {"window_size", "enable_gqa"}, "torch_varlen_window": {"window_size"},
+                   "torch_varlen_is_causal": {"is_causal"}}
+KINDS = ["flash_attn", *VARLEN_RELEASES]
+
+
 def stand_in(kind, config, calls, shared=False):
     def fake(q, k, v, cu_q, cu_k, max_q, max_k, *args, **kw):
-        check_call(q, k, v, cu_q, cu_k, max_q, max_k, config, shared)
+        gqa_in_kernel = kind in ("flash_attn", "torch_varlen")
+        check_call(q, k, v, cu_q, cu_k, max_q, max_k, config if gqa_in_kernel else
+                   replace(config, n_kv_head=config.n_head), shared)
         left = -1 if config.sliding_window is None else config.sliding_window - 1
         if kind == "flash_attn":  # flash_attn_varlen_func(..., dropout_p, softmax_scale, causal, window_size, ...)
             assert not args and kw == dict(causal=True, window_size=(left, 0)), kw
-        else:  # torch.nn.attention.varlen.varlen_attn: keywords only after the positions, causal = (-1, 0)
+        elif kind == "torch_varlen":  # keywords only after the positions, causal = (-1, 0)
             assert not args and kw == dict(window_size=(left, 0), enable_gqa=config.n_head != config.n_kv_head), kw
+        elif kind == "torch_varlen_window":
+            assert not args and kw == dict(window_size=(left, 0)), kw
+        else:  # no window in this release: a sliding-window model never reaches it
+            assert not args and kw == dict(is_causal=True) and config.sliding_window is None, kw
         calls.append(kind)
         return M.sdpa_per_sequence(q, k, v, cu_q, config.sliding_window, cu_k)
     return fake
 
 
-@pytest.mark.parametrize("kind", ["flash_attn", "torch_varlen"])
+def use_stand_in(monkeypatch, kind, fn):
+    monkeypatch.setattr(M, "flash_attn_varlen_func" if kind == "flash_attn" else "varlen_attn", fn)
+    monkeypatch.setattr(M, "VARLEN_KEYWORDS", VARLEN_RELEASES.get(kind, set()))
+    monkeypatch.setitem(M._ATTN_BACKEND, "cpu", "flash_attn" if kind == "flash_attn" else "torch_varlen")
+
+
+def expected_calls(kind, config):  # a release without window_size runs a sliding-window model on SDPA
+    return [] if kind == "torch_varlen_is_causal" and config.sliding_window else [kind] * config.n_layer
+
+
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("kw", [dict(), dict(sliding_window=7), dict(n_kv_head=4, qkv_bias=True)],
                          ids=["gqa", "window", "mha+bias"])
 def test_cuda_branch_is_called_right(monkeypatch, kind, kw):
@@ -55,12 +79,10 @@ def test_cuda_branch_is_called_right(monkeypatch, kind, kw):
     cu = torch.tensor([0] + LENS).cumsum(0).to(torch.int32)
     targets = next_token_targets(ids, cu)
     calls = []
-    fn = stand_in(kind, model.config, calls)
-    monkeypatch.setattr(M, "flash_attn_varlen_func" if kind == "flash_attn" else "varlen_attn", fn)
-    monkeypatch.setitem(M._ATTN_BACKEND, "cpu", kind)
+    use_stand_in(monkeypatch, kind, stand_in(kind, model.config, calls))
     loss, n = model(ids, pos, cu, max(LENS), targets=targets)
     loss.backward()
-    assert calls == [kind] * model.config.n_layer  # every layer went through the branch
+    assert calls == expected_calls(kind, model.config)  # every layer went through the branch
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     monkeypatch.setitem(M._ATTN_BACKEND, "cpu", "sdpa")
@@ -72,15 +94,16 @@ def test_cuda_branch_is_called_right(monkeypatch, kind, kw):
         assert torch.equal(g, p.grad)
 
 
-def test_torch_varlen_signature_is_the_one_we_call():
-    """varlen_attn changed its signature across releases (2.9: is_causal; 2.12: window_size, enable_gqa)."""
+def test_torch_varlen_signature_is_one_we_call():
+    """The installed torch's varlen_attn takes the keywords of one of the releases the stand-ins above check."""
     if M.varlen_attn is None:
         pytest.skip("torch.nn.attention.varlen is not in this torch")
-    params = inspect.signature(M.varlen_attn).parameters
-    assert {"window_size", "enable_gqa"} <= set(params), list(params)
+    params = set(inspect.signature(M.varlen_attn).parameters)
+    assert any(keys <= params and (keys == {"is_causal"}) != ("window_size" in params)
+               for keys in VARLEN_RELEASES.values()), params
 
 
-@pytest.mark.parametrize("kind", ["flash_attn", "torch_varlen"])
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("kw", [dict(), dict(sliding_window=6)], ids=["gqa", "window"])
 def test_cuda_branch_prefix_shared(monkeypatch, kind, kw):
     """DPO pairs with shared prompts: the kernel gets the separate key stream (cu_seqlens_k, max_seqlen_k)."""
@@ -92,12 +115,10 @@ def test_cuda_branch_prefix_shared(monkeypatch, kind, kw):
     data = pairs_data(spec)
     mb = make_batch(data, range(len(spec)), group_size=2, prefix=shared_prefixes(data))
     calls = []
-    monkeypatch.setattr(M, "flash_attn_varlen_func" if kind == "flash_attn" else "varlen_attn",
-                        stand_in(kind, model.config, calls, shared=True))
-    monkeypatch.setitem(M._ATTN_BACKEND, "cpu", kind)
+    use_stand_in(monkeypatch, kind, stand_in(kind, model.config, calls, shared=True))
     pc, pr = mb.pair_sums(model(**mb.inputs(), logprobs=True))
     (pc - pr).sum().backward()
-    assert calls == [kind] * model.config.n_layer
+    assert calls == expected_calls(kind, model.config)
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad()
     monkeypatch.setattr(M, "attention_backend", lambda device, dtype: "sdpa")  # bf16 through the same SDPA math

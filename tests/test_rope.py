@@ -166,3 +166,15 @@ if __name__ == "__main__":  # the interpreter tests' subprocess: python tests/te
     check = sys.argv[1] if len(sys.argv) > 1 else "kernel"
     CHECKS[check]()
     print(f"{check}: rope_fused matches rope_reference under the Triton interpreter")
+
+
+def test_fused_rope_only_where_the_kernel_runs(monkeypatch):
+    """A CUDA model whose head dim the Triton kernel does not take (a toy's 8, Phi's 80, 96) runs the reference
+    instead of raising from inside the forward (seen on an H100: the tiny test model failed there)."""
+    import kernels
+    import model as M
+    monkeypatch.setattr(kernels, "HAS_TRITON", True)
+    assert [M.rope_fusable(True, d) for d in (8, 64, 80, 96, 128, 256)] == [False, True, False, False, True, True]
+    assert not M.rope_fusable(False, 64)
+    monkeypatch.setattr(kernels, "HAS_TRITON", False)
+    assert not M.rope_fusable(True, 64)
