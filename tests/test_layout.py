@@ -65,3 +65,14 @@ def test_the_checker_sees_an_upward_import(tmp_path):
     bad = tmp_path / "model.py"
     bad.write_text("import torch\nfrom common import setup\n\ndef f():\n    import train_sft\n")
     assert project_imports(str(bad), set(core_files())) == {"common", "train_sft"}
+
+
+def test_no_merge_conflict_markers_left():
+    """A merge once committed README.md's file table with both sides and its <<<<<<< / >>>>>>> lines."""
+    import subprocess
+    files = subprocess.run(["git", "ls-files", "*.py", "*.md", "*.txt", "*.sh", "*.toml"], cwd=ROOT,
+                           capture_output=True, text=True).stdout.split() or glob.glob(os.path.join(ROOT, "*.md"))
+    for name in files:
+        with open(os.path.join(ROOT, name), encoding="utf-8") as f:
+            for i, line in enumerate(f, 1):
+                assert not line.startswith(("<<<<<<< ", ">>>>>>> ")), f"{name}:{i}: {line.strip()}"
