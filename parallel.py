@@ -123,7 +123,8 @@ def wrap_model(model, parallel, world_size, param_dtype):
         return model
     if parallel == "ddp":
         device = model.embed_tokens.weight.device
-        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
+        # gradients as views of DDP's all-reduce buckets: one copy of them per rank, not two (plan.py plans one)
+        return DDP(model, device_ids=[device.index] if device.type == "cuda" else None, gradient_as_bucket_view=True)
     if parallel == "fsdp":
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
         for block in model.layers:
@@ -134,11 +135,9 @@ def wrap_model(model, parallel, world_size, param_dtype):
 
 
 def sync_gradients(model, enabled):
-    """A context for one micro-batch's backward: gradients are reduced across ranks only when enabled (the step's
-    last micro-batch). FSDP2 takes it as a setting, DDP as its no_sync() context."""
-    if hasattr(model, "set_requires_gradient_sync"):
-        model.set_requires_gradient_sync(enabled)
-        return nullcontext()
+    """A context for one micro-batch's backward: DDP reduces gradients only when enabled (the step's last
+    micro-batch). FSDP2 reduce-scatters every micro-batch, as torchtitan does: skipping it would hold every rank's
+    whole unsharded float32 gradient between micro-batches (30 GiB for an 8B: plan.py), not 1/world of it."""
     return model.no_sync() if hasattr(model, "no_sync") and not enabled else nullcontext()
 
 
