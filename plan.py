@@ -16,17 +16,17 @@ weights (a model folder's config.json, or a preset at its own vocabulary, is eno
 values, checkpoints and exports (the plan stops before them), a cached DPO reference (zeros stand for log-probs
 computed before training), and a value read from a fake tensor (.item() and .tolist() read 1s: a loss to print,
 AdamW's step count). Data that is not a file or folder on this machine ('builtin' too) is the worst case: every
-micro-batch filled to microbatch_tokens with sequences of min(max_len, microbatch_tokens / group) tokens (no shared
-prompt for DPO pairs); data on disk is the run's own first two steps.
+micro-batch filled to microbatch_tokens with sequences of min(max_len, context_parallel x microbatch_tokens / group)
+tokens (no shared prompt for DPO pairs); data on disk is the run's own first two steps.
 
 What it cannot see: this torch is a CPU build, so a GPU run is planned on CPU fake tensors with the GPU's precision
-(bfloat16 compute; FSDP2's float32 shards) and the CPU's attention: SDPA's flash kernel for CPU keeps the output and
-the log-sum-exp, as the CUDA flash / varlen kernels do (no L x L scores; a DPO shared prompt's masked attention does
-score L x L here). The CUDA context, NCCL's buffers and the caching allocator's fragmentation hold no tensors: they
-are one stated allowance (ALLOWANCE_GIB). Kernel workspaces (cuBLAS, compiled code) are not seen; nor is a tensor
-a kernel allocates inside itself. Not planned yet (each refused in one line): train_rl.py (its generation phase and
-KV cache), DDP on more than one GPU (its reducer runs no fake tensors), context parallelism (its slicing reads the
-batch's values), DPO's adapters_off reference; nor a fake CUDA device (the CUDA branches of the code).
+(bfloat16 compute; FSDP2's float32 shards) and the CUDA varlen kernel's attention memory (CudaAttention: output and
+log-sum-exp, no L x L scores or masks); --device=cpu plans the CPU's own attention. The CUDA context, NCCL's
+buffers and the caching allocator's fragmentation hold no tensors: they are one stated allowance (ALLOWANCE_GIB).
+Kernel workspaces (cuBLAS, compiled code) are not seen; nor is a tensor a kernel allocates inside itself. DDP's
+reducer runs no fake tensors: a DDP rank is planned unwrapped, its share of the batch, which is what it holds (its
+all-reduce buckets are its gradients: gradient_as_bucket_view). Not planned yet (refused in one line): train_rl.py
+(its generation phase and KV cache); nor a fake CUDA device (the CUDA branches of the code).
 """
 import json
 import os
@@ -49,6 +49,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import common
+import context
 import packing
 import reference
 from hf import read_hf_config
@@ -93,9 +94,15 @@ class PhaseTracker:
         self.tracker._update_peak_stats = update_peak_stats
 
         def new_forward(module, inputs):  # each micro-batch's forward starts the tracker's module stats anew (it
-            if module is model and not self.tracker._mod_tracker.is_bw:  # takes a second one for a second step)
+            # takes a second one for a second step); a no-grad forward (adapters_off's reference) is not one
+            if module is model and not self.tracker._mod_tracker.is_bw and torch.is_grad_enabled():
                 self.tracker.reset_mod_stats()
         self.hook = torch.nn.modules.module.register_module_forward_pre_hook(new_forward)  # before the tracker's
+        policy = {id(m) for m in model.modules()}  # a no-grad forward of the policy's modules (adapters_off's
+        for name in ("_pre_fw_hook", "_post_fw_hook"):  # reference) is no second iteration: its tensors count,
+            hook = getattr(self.tracker, name)  # its module stats not
+            setattr(self.tracker, name, lambda module, *a, hook=hook: None if id(module) in policy and
+                    not torch.is_grad_enabled() else hook(module, *a))
 
     def __enter__(self):
         self.tracker.__enter__()
@@ -115,9 +122,10 @@ class PhaseTracker:
 
 
 def worst_case_data(c, group_size, max_seq_len):
-    """Token data of one step's units (SFT examples, DPO pairs), each sequence min(max_len, microbatch_tokens / group,
-    max_seq_len) tokens, all trained; a pair's chosen and rejected differ from their first token (nothing shared)."""
-    n = max(1, min(c["max_len"], c["microbatch_tokens"] // group_size, max_seq_len))
+    """Token data of one step's units (SFT examples, DPO pairs), each sequence min(max_len, context_parallel x
+    microbatch_tokens / group, max_seq_len) tokens, all trained; a pair's chosen and rejected differ from their first
+    token (nothing shared)."""
+    n = max(1, min(c["max_len"], c["microbatch_tokens"] * c["context_parallel"] // group_size, max_seq_len))
     units = c["batch_size"]
     ids = np.ones((units, group_size, n), dtype=np.int64) + np.arange(group_size)[None, :, None]  # chosen 1, rejected 2
     offsets = np.arange(units * group_size + 1, dtype=np.int64) * n
@@ -162,21 +170,14 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         with mock.patch.object(torch.nn.Module, "to", module_to):
             return real["build_model"](*a, **k)
 
+    def wrap_model(model, parallel, *a):  # DDP's reducer runs no fake tensors; its buckets are the gradients
+        return model if parallel == "ddp" else real["wrap_model"](model, parallel, *a)
+
     def default_mesh():  # FSDP2's device mesh, built outside fake mode: its rank map is read on the host
         with unset_fake_temporarily():
             return init_device_mesh("cpu", (gpus,))
 
     def setup(config, kind, builtin_sizes=None):
-        if gpus > 1 and config["parallel"] == "ddp":
-            raise SystemExit("plan: parallel='ddp' on more than one GPU is not planned: torch's DDP reducer does not "
-                             "run on fake tensors; plan --gpus=1 (a DDP rank holds what one process does, plus "
-                             "gradient buckets of up to a gradient's size) or --parallel=fsdp")
-        lora_dpo = kind == "dpo" and config["lora_rank"] and config["reference"] in ("auto", "adapters_off")
-        for what, unplanned in (("context_parallel > 1", config["context_parallel"] > 1),
-                                ("DPO's adapters_off reference (LoRA's default)", lora_dpo)):
-            if unplanned:  # one line, not a traceback from deep inside the step
-                raise SystemExit(f"plan: {what} is not planned yet (see plan.py's docstring)"
-                                 + "; plan --reference=cached or live" * lora_dpo)
         state["run"] = real["setup"](config, kind, builtin_sizes)
         return state["run"]
 
@@ -197,14 +198,15 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             state["tokens"], state["flops"] = meter.tokens - tokens, meter.flops - flops
 
     real = dict(check_kind=common.check_kind, prepare_data=common.prepare_data, load_data=common.load_data,
-                build_model=common.build_model,
+                build_model=common.build_model, wrap_model=common.wrap_model,
                 setup=common.setup, set_lr=common.set_lr, count=__import__("metrics").Throughput.count)
     env = dict(WORLD_SIZE=str(gpus), RANK="0", LOCAL_RANK="0")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with ExitStack() as stack:
         for name, new in [("setup_distributed", setup_distributed), ("prepare_data", prepare_data),
                           ("load_data", load_data), ("initial_config", initial_config), ("build_model", build_model),
-                          ("setup", setup), ("set_lr", set_lr), ("refuse_non_finite", lambda *a: None),
+                          ("wrap_model", wrap_model), ("setup", setup), ("set_lr", set_lr),
+                          ("refuse_non_finite", lambda *a: None),
                           ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
                           ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
                           ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]:
@@ -215,7 +217,10 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         stack.enter_context(mock.patch.dict(os.environ, env))
         stack.enter_context(mock.patch.object(sys, "argv", script_args))
         for module in [m for m in list(sys.modules.values()) if getattr(m, "make_batch", None) is REAL_MAKE_BATCH]:
-            stack.enter_context(mock.patch.object(module, "make_batch", real_batch))
+            stack.enter_context(mock.patch.object(module, "make_batch", on_host(REAL_MAKE_BATCH)))
+        stack.enter_context(mock.patch.object(context.ContextParallel, "split", on_host(context.ContextParallel.split)))
+        if device == "cuda" and fake:  # the CUDA kernel's memory, not the CPU fallback's
+            stack.enter_context(mock.patch("model.varlen_attention", cuda_attention))
         stack.enter_context(mock.patch.object(torch.Tensor, "item", fake_item))  # a printed loss, an evaluation
         stack.enter_context(mock.patch.object(torch.Tensor, "tolist", fake_tolist))
         for name in ("register_hook", "register_post_accumulate_grad_hook"):
@@ -278,11 +283,37 @@ def frozen_hook(register):
 NO_HOOKS = torch.utils.hooks.OrderedDict()
 
 
-def real_batch(*args, **kwargs):
-    """packing.make_batch, its tensors real even under FakeTensorMode: the model reads boundaries and targets on the
-    host."""
+class CudaAttention(torch.autograd.Function):
+    """What a CUDA varlen kernel (flash-attn, torch's varlen_attn) holds, in place of the CPU's attention in a plan of a
+    GPU run: its output, and for backward q, k, v (GQA in the kernel), the output and a float32 log-sum-exp per
+    query and head; no L x L scores or masks (the CPU path builds a boolean mask per query piece over longer keys:
+    a DPO shared prompt, a CP slice). Nothing is computed: under FakeTensorMode only sizes exist."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.empty_like(q)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:2], dtype=torch.float32))
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        q, k, v, _, _ = ctx.saved_tensors
+        return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def cuda_attention(q, k, v, *args, **kwargs):
+    return CudaAttention.apply(q, k, v)
+
+
+def on_host(fn):
+    """fn, its tensors real even under FakeTensorMode: packing.make_batch and a CP rank's slice of it (context.split),
+    whose boundaries and targets the model reads on the host."""
+    return lambda *args, **kwargs: run_unfaked(fn, *args, **kwargs)
+
+
+def run_unfaked(fn, *args, **kwargs):
     with unset_fake_temporarily():
-        return REAL_MAKE_BATCH(*args, **kwargs)
+        return fn(*args, **kwargs)
 
 
 REAL_MAKE_BATCH = packing.make_batch
@@ -316,25 +347,35 @@ def figures(script, args, gpus, gpu_memory, device):
 
 
 def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=256):
-    """The largest multiple of `step` tokens whose plan fits (0: none), by doubling then bisection; each plan is fake
-    compute, seconds. A budget past the step's whole share of a rank changes nothing: the search stops there."""
+    """The largest multiple of `step` tokens whose plan fits (0: none). The peak grows about linearly with the budget
+    (activations), so the line through the last two plans guesses where it crosses gpu_memory; each guess is planned
+    and narrows [fits, does not fit] until it is one step wide: 3-5 plans on a line, as many as bisection on a
+    staircase (a micro-batch holds whole sequences). Twice the budget at the same peak is the step's whole share of a
+    rank: larger budgets change nothing, and the search stops there."""
     def plan_at(n):
-        progress(f"plan: microbatch_tokens={n:,}?")
-        return figures(script, [*args, f"--microbatch_tokens={n}"], gpus, gpu_memory, device)
-    at = max(1, first["microbatch_tokens"] // step)
-    lo, hi, last = (at, None, first) if first["fits"] else (0, at, first)
-    while hi is None:
-        f = plan_at(2 * lo * step)
-        if not f["fits"]:
-            hi = 2 * lo
-        elif f["peak_gib"] == last["peak_gib"]:  # the same micro-batches: larger budgets are all the same
-            first["search_capped"] = True
+        progress(f"plan: microbatch_tokens={n * step:,}?")
+        f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device)
+        return n, f["peak_gib"], f["fits"]
+    n0 = max(1, first["microbatch_tokens"] // step)
+    lo, hi = (n0, None) if first["fits"] else (0, n0)
+    peaks, sides, plateau = {n0: first["peak_gib"]}, [], False  # budget (in steps) -> its peak; each guess fit?
+    while hi is None or hi - lo > 1:
+        (na, pa), (nb, pb) = sorted(peaks.items())[-2:] if len(peaks) > 1 else ((None, None), (None, None))
+        if hi is None and na and pb == pa and nb >= 2 * na:  # twice the budget, one peak: the same micro-batches,
+            first["search_capped"] = True  # the step's whole share
             return lo * step
-        else:
-            lo, last = 2 * lo, f
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if plan_at(mid * step)["fits"] else (lo, mid)
+        if hi is None:  # grow: where the line through the two largest crosses, at least doubling the last gain
+            line = int(nb + (gpu_memory - pb) * (nb - na) / (pb - pa)) if na and pb > pa else 0
+            guess = max(line, 2 * lo - (na if sides[-1:] == [True] and na else 0), lo + 1)
+        elif lo in peaks and peaks[hi] > peaks[lo] and not plateau and sides[-2:] not in ([True, True], [False, False]):
+            guess = lo + int((gpu_memory - peaks[lo]) * (hi - lo) / (peaks[hi] - peaks[lo]))  # the bracket's line
+        else:  # bisection: no line yet, or it missed (a staircase: whole sequences per micro-batch)
+            guess = (lo + hi) // 2
+        guess = max(lo + 1, guess if hi is None else min(guess, hi - 1))
+        n, peaks[guess], fits = plan_at(guess)
+        plateau = fits and peaks[guess] == peaks.get(lo)  # the line fell short on lo's stair: it cannot see its end
+        sides.append(fits)
+        lo, hi = (guess, hi) if fits else (lo, guess)
     return lo * step
 
 
