@@ -224,6 +224,22 @@ def rss_gib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
 
 
+def matmul_peak(cuda, iters=10):
+    """FLOP/s of this machine's best large matmul (CUDA: bf16 8192^3; CPU: fp32 2048^3), the best of iters: the ceiling
+    the training rows are measured against, where no datasheet figure exists (a CPU) or to check the one that does."""
+    import torch
+    n, dtype, device = (8192, torch.bfloat16, "cuda") if cuda else (2048, torch.float32, "cpu")
+    a, b = (torch.randn(n, n, dtype=dtype, device=device) for _ in range(2))
+    best = float("inf")
+    for _ in range(iters + 1):  # the first warms up
+        t = time.perf_counter()
+        a @ b
+        if cuda:
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
 def result(tokens, positions, flops, elapsed, loss, rss0):
     """The row of one configuration: real tokens/s, MFU (CUDA), peak memory (CUDA allocated / CPU RSS growth)."""
     import torch
@@ -550,6 +566,9 @@ def main():
           f"model {model if isinstance(model, str) else args.size + ' ' + json.dumps(model)} | data {args.data} | "
           f"{args.batch_size} {'pairs' if args.mode == 'dpo' else 'examples'}/step, microbatch_tokens "
           f"{args.microbatch_tokens} | {args.steps} timed steps after {args.warmup}")
+    matmul = matmul_peak(cuda)
+    print(f"matmul peak measured here: {matmul / 1e12:.3f} TFLOP/s ({'bf16 8192' if cuda else 'fp32 2048'}^3, best "
+          f"of 10): the '% of matmul' column is each row's model FLOPs/s against it")
     rows = []
     for name in args.configs.split(","):
         cmd = [sys.executable, __file__, "--child", name] + [a for a in sys.argv[1:]]
@@ -569,12 +588,12 @@ def main():
     mem_name = "peak GiB (CUDA alloc)" if cuda else "peak GiB (RSS growth)"
     unit = "pairs" if args.mode == "dpo" else "examples"
     header = (f"| config | real tok/s (per GPU) | MFU | {mem_name} | padding | loss after {args.steps + args.warmup} steps "
-              f"| speed vs hf | compiled graphs | {unit}/s | vs packed | tokens computed/step |")
+              f"| speed vs hf | compiled graphs | {unit}/s | vs packed | tokens computed/step | % of matmul |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for name, r in rows:
         if "error" in r:
-            print(f"| {name} | {r['error']} | | | | | | | | | |")
+            print(f"| {name} | {r['error']} | | | | | | | | | | |")
             continue
         units_per_sec = args.batch_size * args.steps / r["elapsed"]
         packed = dict(rows).get("packed", {})
@@ -583,7 +602,7 @@ def main():
         ratio = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
         print(f"| {name} | {r['tokens_per_sec']:,.0f} | {mfu} | {r['peak_gib']:.2f} | {100 * r['padding']:.1f}% | "
               f"{r['loss']:.4f} | {ratio} | {r.get('graphs') or '-'} | {units_per_sec:.2f} | {vs_packed} | "
-              f"{r['tokens'] / args.steps:,.0f} |")
+              f"{r['tokens'] / args.steps:,.0f} | {100 * r['flops'] / r['elapsed'] / matmul:.1f}% |")
     got = dict(rows)
     if all("elapsed" in got.get(n, {}) for n in ("packed", "packed+shared")):
         a, b = got["packed"], got["packed+shared"]
