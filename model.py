@@ -104,6 +104,10 @@ PRESETS = {
                          rope_theta=500000.0, max_seq_len=131072,
                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
                                            high_freq_factor=4.0, original_max_position_embeddings=8192)),
+    "llama-3.1-70b": dict(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, ffn_hidden=28672,
+                          rope_theta=500000.0, max_seq_len=131072,
+                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0, original_max_position_embeddings=8192)),
 }
 
 

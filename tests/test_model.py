@@ -518,6 +518,7 @@ def test_presets_have_the_published_shapes():
     assert abs(sizes["qwen2.5-0.5b"] - 494.0e6) < 1e6
     assert abs(sizes["llama-3.2-1b"] - 1235.8e6) < 1e6
     assert abs(sizes["llama-3.1-8b"] - 8030.3e6) < 1e6
+    assert abs(sizes["llama-3.1-70b"] - 70553.7e6) < 1e6  # Llama-3.1-70B's safetensors index: 141,107,412,992 bytes
     # Qwen3 model cards: 0.6B (0.44B without the embedding), 1.7B (1.4B); exactly, from the published shapes:
     assert sizes["qwen3-0.6b"] == 596_049_920 and sizes["qwen3-1.7b"] == 1_720_574_976
     assert hf.config_from_hf(QWEN3_0_6B_CONFIG_JSON) == M.config_from_preset("qwen3-0.6b")
