@@ -384,12 +384,15 @@ def progress(line):
 
 
 def table(f, seconds):
+    state = sum(f["by_category_gib"][k] for k in ("parameters", "gradients", "optimizer"))
     rows = [f"{'category':<12} {'GiB':>8}"] + [f"{k:<12} {v:8.2f}" for k, v in f["by_category_gib"].items()]
     rows += [f"{'peak':<12} {f['peak_gib']:8.2f}  in {f['peak_phase']}, of {f['gpu_memory_gib']:g} GiB: "
              f"{'fits' if f['fits'] else 'does NOT fit'}",
              f"largest microbatch_tokens that fits: {f['max_microbatch_tokens']:,} (planned at "
              f"{f['microbatch_tokens']:,})" + (", and any larger: a rank's whole step is one micro-batch there"
-                                                if f.get("search_capped") else ""),
+                                                if f.get("search_capped") else "") + (
+                 f": none, the parameters, gradients and optimizer state alone take {state:.2f} GiB a GPU (FSDP2 "
+                 f"shards them over more GPUs; LoRA trains adapters only)" if not f["max_microbatch_tokens"] else ""),
              f"per step: {f['tokens_per_step']:,} tokens, {f['flops_per_step']:.3e} model FLOPs | "
              f"world size {f['world_size']} | planned in {seconds:.1f}s"]
     return "\n".join(rows)
