@@ -126,15 +126,15 @@ def _chunk_logprobs(h, w, targets, vocab_size):
     return logp, logp.gather(1, targets[:, None]).squeeze(1)
 
 
-def _chunk_grads(logp, h, w, targets, scale, dtype):
+def _chunk_grads(logp, h, w, targets, scale, dtype, need_w):
     """Gradients of -sum_t scale_t * log p_t over one chunk (logp is consumed): d/dlogits = softmax - onehot.
-    -> (grad_h (C, d) in dtype, grad_w (V, d) float32)."""
+    -> (grad_h (C, d) in dtype, grad_w (V, d) float32, or None for a frozen head: LoRA's)."""
     g = logp.exp_()
     g[torch.arange(len(targets), device=g.device), targets] -= 1.0
     if scale is not None:
         g *= scale[:, None]
     g = g.to(dtype)
-    return g @ w[:g.shape[1]], (g.t() @ h).float()
+    return g @ w[:g.shape[1]], (g.t() @ h).float() if need_w else None
 
 
 def _select(h, w, targets, dtype):
@@ -144,23 +144,24 @@ def _select(h, w, targets, dtype):
     return idx, h.index_select(0, idx).to(dtype), w.to(dtype), targets.index_select(0, idx)
 
 
-def _loss_and_grads(h, w, targets, vocab_size, scales, dtype, need_grad):
+def _loss_and_grads(h, w, targets, vocab_size, scales, dtype, need_grad, need_w=True):
     """-sum_t scale_t * log p(target_t) (scales (T,) or None: all 1) chunk by chunk, with its gradients if need_grad
-    -> (loss float32, grad_h like h, grad_w float32), the gradients None without need_grad."""
+    -> (loss float32, grad_h like h, grad_w float32), the gradients None without need_grad (grad_w: need_w)."""
     idx, hs, wc, ts = _select(h, w, targets, dtype)
     scales = None if scales is None else scales.index_select(0, idx).float()
     loss, grad_h, grad_w = torch.zeros((), device=h.device, dtype=torch.float32), None, None
     if need_grad:
         grad_hs = torch.empty_like(hs)
-        grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32)
+        grad_w = torch.zeros(w.shape, device=w.device, dtype=torch.float32) if need_w else None
     for s in range(0, hs.shape[0], LOSS_CHUNK):
         hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
         sc = None if scales is None else scales[s:s + LOSS_CHUNK]
         logp, tgt = _chunk_logprobs(hc, wc, tc, vocab_size)
         loss -= tgt.sum() if sc is None else (tgt * sc).sum()
         if need_grad:
-            grad_hs[s:s + LOSS_CHUNK], gw = _chunk_grads(logp, hc, wc, tc, sc, dtype)
-            grad_w[:vocab_size] += gw
+            grad_hs[s:s + LOSS_CHUNK], gw = _chunk_grads(logp, hc, wc, tc, sc, dtype, need_w)
+            if need_w:
+                grad_w[:vocab_size] += gw
     if need_grad:
         grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
     return loss, grad_h, grad_w
@@ -174,15 +175,16 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, w, targets, vocab_size, weights, need_grad):
         dtype = _compute_dtype(h)  # read before autocast is switched off
         with torch.autocast(h.device.type, enabled=False):
-            loss, grad_h, grad_w = _loss_and_grads(h, w, targets, vocab_size, weights, dtype, need_grad)
+            loss, grad_h, grad_w = _loss_and_grads(h, w, targets, vocab_size, weights, dtype, need_grad,
+                                                   w.requires_grad)
         if need_grad:
-            ctx.save_for_backward(grad_h, grad_w.to(w.dtype))
+            ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(w.dtype))
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, grad_w * grad_loss, None, None, None, None
+        return grad_h * grad_loss, None if grad_w is None else grad_w * grad_loss, None, None, None, None
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -206,8 +208,9 @@ class ChunkedLogprobs(torch.autograd.Function):
     def backward(ctx, grad_out):
         h, w, targets = ctx.saved_tensors
         with torch.no_grad(), torch.autocast(h.device.type, enabled=False):  # d log p = -d(-log p): scales -grad_out
-            _, grad_h, grad_w = _loss_and_grads(h, w, targets, ctx.vocab_size, -grad_out, ctx.dtype, True)
-        return grad_h, grad_w.to(w.dtype), None, None
+            _, grad_h, grad_w = _loss_and_grads(h, w, targets, ctx.vocab_size, -grad_out, ctx.dtype, True,
+                                                ctx.needs_input_grad[1])
+        return grad_h, None if grad_w is None else grad_w.to(w.dtype), None, None
 
 
 def chunked_cross_entropy(h, w, targets, vocab_size, weights=None):

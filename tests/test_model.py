@@ -449,6 +449,30 @@ def test_chunked_logprobs_match_full_logits(small_chunks):
                                torch.autograd.grad((ref * g).sum(), [h, w]), atol=1e-5, rtol=1e-5)
 
 
+def test_a_frozen_head_gets_no_gradient_and_costs_no_head_matmul(small_chunks, monkeypatch):
+    """LoRA freezes the head: the chunked loss and log-probs then skip its (V, d) gradient (a float32 V x d buffer, 2
+    GiB for Llama-3's head, and one of the chunk's three / four matmuls); h's gradient is unchanged."""
+    h, w, targets, V = head_inputs()
+    w.requires_grad_(False)
+    made = []
+    chunk_grads = kernels._chunk_grads
+    def spy(*args):  # one call: the chunk's logp is consumed in place
+        out = chunk_grads(*args)
+        made.append(out[1])
+        return out
+    monkeypatch.setattr(kernels, "_chunk_grads", spy)
+    loss, _ = kernels.chunked_cross_entropy(h, w, targets, V)
+    lp = kernels.chunked_logprobs(h, w, targets, V)
+    g = torch.randn_like(lp)
+    (gh_ce,), (gh_lp,) = torch.autograd.grad(loss, [h]), torch.autograd.grad((lp * g).sum(), [h])
+    assert made and all(m is None for m in made)
+    ce = F.cross_entropy(h @ w[:V].t(), targets, reduction="sum", ignore_index=-100)
+    full = torch.log_softmax(h @ w[:V].t(), -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    ref = torch.where(targets == -100, 0.0, full)
+    torch.testing.assert_close(gh_ce, torch.autograd.grad(ce, [h])[0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(gh_lp, torch.autograd.grad((ref * g).sum(), [h])[0], atol=1e-5, rtol=1e-5)
+
+
 def test_all_ignored_targets_give_zero_loss_and_grads(small_chunks):
     h, w, targets, V = head_inputs()
     loss, n = kernels.chunked_cross_entropy(h, w, torch.full_like(targets, -100), V)
