@@ -121,15 +121,18 @@ class PhaseTracker:
         return out
 
 
-def worst_case_data(c, group_size, max_seq_len):
+def worst_case_data(c, group_size, max_seq_len, gpus):
     """Token data of one step's units (SFT examples, DPO pairs), each sequence min(max_len, context_parallel x
     microbatch_tokens / group, max_seq_len) tokens, all trained; a pair's chosen and rejected differ from their first
-    token (nothing shared)."""
+    token (nothing shared). Its micro-batches are all alike, so a rank's third and later hold what its second does:
+    c["batch_size"] is cut to two micro-batches a rank (a plan's time grows with them) -> (data, the cut's factor)."""
     n = max(1, min(c["max_len"], c["microbatch_tokens"] * c["context_parallel"] // group_size, max_seq_len))
-    units = c["batch_size"]
+    per_microbatch = max(1, c["microbatch_tokens"] * c["context_parallel"] // (n * group_size))
+    units = min(c["batch_size"], 2 * per_microbatch * (gpus // c["context_parallel"]))
+    scale, c["batch_size"] = c["batch_size"] / units, units
     ids = np.ones((units, group_size, n), dtype=np.int64) + np.arange(group_size)[None, :, None]  # chosen 1, rejected 2
     offsets = np.arange(units * group_size + 1, dtype=np.int64) * n
-    return dict(ids=ids.reshape(-1), offsets=offsets, loss_mask=np.ones(units * group_size * n, dtype=np.uint8))
+    return dict(ids=ids.reshape(-1), offsets=offsets, loss_mask=np.ones(units * group_size * n, dtype=np.uint8)), scale
 
 
 def plan_step(script, args, gpus=1, device="cuda", fake=True):
@@ -157,7 +160,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     def load_data(data_dir, tok):
         if data_dir is not None:
             return real["load_data"](data_dir, tok)
-        data = worst_case_data(state["config"], 2 if state["kind"] == "dpo" else 1, state["max_seq_len"])
+        data, state["scale"] = worst_case_data(state["config"], 2 if state["kind"] == "dpo" else 1,
+                                               state["max_seq_len"], gpus)
         return data, data
 
     def initial_config(start, tok):  # a preset at its own vocabulary: the byte tokenizer would shrink the head
@@ -257,8 +261,9 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         moved = sum(local(p).untyped_storage().nbytes() for p in state["reference"].parameters())
         by_category["parameters"] -= moved
         by_category["reference"] += moved
-    return dict(by_category=by_category, phase=state["tracker"].phase, tokens=state["tokens"],
-                flops=state["flops"], config=state["config"])
+    scale = state.get("scale", 1.0)  # a step cut to two micro-batches a rank counts as the whole step
+    return dict(by_category=by_category, phase=state["tracker"].phase, tokens=state["tokens"] * scale,
+                flops=state["flops"] * scale, config=state["config"])
 
 
 def fake_item(t):

@@ -146,3 +146,12 @@ def test_a_gpu_plan_holds_the_cuda_kernels_attention_memory():
     assert acts["cuda", 2048] < 2.05 * acts["cuda", 1024]
     assert acts["cpu", 2048] > 2.2 * acts["cpu", 1024]
     assert acts["cuda", 1024] < 0.7 * acts["cpu", 1024]
+
+
+def test_a_long_step_is_planned_from_two_micro_batches_a_rank():
+    """Worst-case micro-batches are all alike, so plan.py cuts a step to two a rank (the second holds what every later
+    one does): 32 examples of 2 micro-batches' worth plan exactly as 4 do, tokens and FLOPs counted for all 32."""
+    args = TINY[:2] + ["--max_len=128", "--microbatch_tokens=256"]  # two 128-token examples a micro-batch
+    long, short = (peak("train_sft.py", args + [f"--batch_size={n}"]) for n in (32, 4))
+    assert long["by_category"] == short["by_category"]
+    assert (long["tokens"], long["flops"]) == (8 * short["tokens"], 8 * short["flops"])
