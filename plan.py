@@ -217,6 +217,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             stack.enter_context(mock.patch.object(common, name, new))
         stack.enter_context(mock.patch.object(fully_shard_module, "_init_default_mesh", default_mesh))
         stack.enter_context(mock.patch.object(common.StepGuard, "check", lambda self, *a: (True, False)))
+        # a plan has no step to finish: Ctrl-C and SIGTERM stop it at once, not "after this step with a checkpoint"
+        stack.enter_context(mock.patch.object(common.StopSignal, "__init__", lambda self: setattr(self, "name", None)))
         stack.enter_context(mock.patch.object(__import__("metrics").Throughput, "count", count))
         stack.enter_context(mock.patch.dict(os.environ, env))
         stack.enter_context(mock.patch.object(sys, "argv", script_args))
