@@ -17,7 +17,8 @@ values, checkpoints and exports (the plan stops before them), a cached DPO refer
 computed before training), and a value read from a fake tensor (.item() and .tolist() read 1s: a loss to print,
 AdamW's step count). Data that is not a file or folder on this machine ('builtin' too) is the worst case: every
 micro-batch filled to microbatch_tokens with sequences of min(max_len, context_parallel x microbatch_tokens / group)
-tokens (no shared prompt for DPO pairs); data on disk is the run's own first two steps.
+tokens (no shared prompt for DPO pairs), two of them a rank standing for the step's alike rest; data on disk is
+the run's own first two steps.
 
 What it cannot see: this torch is a CPU build, so a GPU run is planned on CPU fake tensors with the GPU's precision
 (bfloat16 compute; FSDP2's float32 shards) and the CUDA varlen kernel's attention memory (CudaAttention: output and
