@@ -316,12 +316,10 @@ def cuda_attention(q, k, v, *args, **kwargs):
 def on_host(fn):
     """fn, its tensors real even under FakeTensorMode: packing.make_batch and a CP rank's slice of it (context.split),
     whose boundaries and targets the model reads on the host."""
-    return lambda *args, **kwargs: run_unfaked(fn, *args, **kwargs)
-
-
-def run_unfaked(fn, *args, **kwargs):
-    with unset_fake_temporarily():
-        return fn(*args, **kwargs)
+    def unfaked(*args, **kwargs):
+        with unset_fake_temporarily():
+            return fn(*args, **kwargs)
+    return unfaked
 
 
 REAL_MAKE_BATCH = packing.make_batch
@@ -363,7 +361,7 @@ def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=25
     def plan_at(n):
         progress(f"plan: microbatch_tokens={n * step:,}?")
         f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device)
-        return n, f["peak_gib"], f["fits"]
+        return f["peak_gib"], f["fits"]
     n0 = max(1, first["microbatch_tokens"] // step)
     lo, hi = (n0, None) if first["fits"] else (0, n0)
     peaks, sides, plateau = {n0: first["peak_gib"]}, [], False  # budget (in steps) -> its peak; each guess fit?
@@ -380,7 +378,7 @@ def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=25
         else:  # bisection: no line yet, or it missed (a staircase: whole sequences per micro-batch)
             guess = (lo + hi) // 2
         guess = max(lo + 1, guess if hi is None else min(guess, hi - 1))
-        n, peaks[guess], fits = plan_at(guess)
+        peaks[guess], fits = plan_at(guess)
         plateau = fits and peaks[guess] == peaks.get(lo)  # the line fell short on lo's stair: it cannot see its end
         sides.append(fits)
         lo, hi = (guess, hi) if fits else (lo, guess)
