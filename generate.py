@@ -3,6 +3,7 @@ Generation with a KV cache on the packed stream: a batch of prompts is read once
 replies each gets), then each new token is one decode step over the unfinished replies (no padding anywhere). Used by
 sample.py, evaluation and train_rl.py's sampling.
 """
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -86,6 +87,17 @@ def sample(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
     return torch.multinomial(probs, 1, generator=generator).squeeze(1)
 
 
+def packed(pieces, starts, device):
+    """One forward's packed stream of token lists, each from position starts[i] on -> (ids, positions, cu_seqlens,
+    each piece's last token's index), made on the host (plan.py keeps them real under fake tensors)."""
+    lens = [len(p) for p in pieces]
+    cu = np.cumsum([0] + lens)
+    pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
+    ids = np.fromiter((t for p in pieces for t in p), dtype=np.int64, count=cu[-1])
+    return (torch.from_numpy(ids).to(device), torch.from_numpy(pos).to(device),
+            torch.from_numpy(cu.astype(np.int32)).to(device), torch.from_numpy(cu[1:] - 1).to(device))
+
+
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k=None, generator=None,
              sync_ranks=False, kv_cache=True, num_samples=1, top_p=None):
@@ -119,18 +131,12 @@ def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k
         prefill_once = cache is not None and step == 0  # a prompt's replies are all active at step 0
         if cache is None or step == 0:  # whole sequences (with a cache: the prefill of the prompts)
             read = active[::num_samples] if prefill_once else active
-            lens = [len(seqs[i]) for i in read]
-            ids = [t for i in read for t in seqs[i]]
-            pos = torch.cat([torch.arange(n, device=device) for n in lens])
+            inputs = packed([seqs[i] for i in read], [0] * len(read), device)
         else:  # one decode step: each sequence's newest token, at its position
-            lens = [1] * len(active)
-            ids = [seqs[i][-1] for i in active]
-            pos = torch.tensor([len(seqs[i]) - 1 for i in active], device=device)
-        cu = torch.tensor([0] + lens, device=device).cumsum(0).to(torch.int32)
+            inputs = packed([seqs[i][-1:] for i in active], [len(seqs[i]) - 1 for i in active], device)
         max_len = max(len(seqs[i]) for i in active)  # cached tokens included
         # through forward, not the trunk directly, so that FSDP2's root hooks gather the embeddings and head
-        logits = model(torch.tensor(ids, device=device), pos, cu, max_len, logits_at=cu[1:].long() - 1,
-                       cache=cache).float()  # (B, V): each sequence's last token
+        logits = model(*inputs[:3], max_len, logits_at=inputs[3], cache=cache).float()  # (B, V): each one's last token
         if prefill_once and num_samples > 1:  # each prompt's last logits and cache row, once per reply
             logits = logits.repeat_interleave(num_samples, 0)
             cache.keep([i for i in range(len(prompts)) for _ in range(num_samples)])

@@ -3,6 +3,7 @@ Will this run fit? Runs a training script's own step on fake tensors and reports
 
     python plan.py train_sft.py config/sft_llama3.1_8b_fsdp.py --gpus=8 --gpu_memory=80 [--json=plan.json]
     python plan.py train_dpo.py --preset=llama-3.1-8b --gpus=1 --lora_rank=16 --quantize_base=nf4
+    python plan.py train_rl.py --init_from=/models/Qwen3-1.7B --gpus=8 --k=8 --prompts_per_step=64
     python plan.py train_sft.py --preset=tiny --device=cpu     # a CPU run: no allowance, float32 as the script runs
 
 plan.py's own keys: --gpus (the world size planned, default 1), --gpu_memory (GiB per GPU, default 80), --json (write
@@ -18,7 +19,11 @@ computed before training), and a value read from a fake tensor (.item() and .tol
 AdamW's step count). Data that is not a file or folder on this machine ('builtin' too) is the worst case: every
 micro-batch filled to microbatch_tokens with sequences of min(max_len, context_parallel x microbatch_tokens / group)
 tokens (no shared prompt for DPO pairs), two of them a rank standing for the step's alike rest; data on disk is
-the run's own first two steps.
+the run's own first two steps, a rank's micro-batches cut to its first two (the largest). RL's worst case: every
+prompt as long as the data's longest (or, not on this machine, as long as a group may be), every reply max_new_tokens
+long (generation ignores stop tokens), every group trained (plan.distinct_reward: no two replies rewarded alike);
+generation's phase holds the KV cache of every reply of the rank, its own category, and its decode steps between the
+first and the last skip the model (Decoding).
 
 What it cannot see: this torch is a CPU build, so a GPU run is planned on CPU fake tensors with the GPU's precision
 (bfloat16 compute; FSDP2's float32 shards) and the CUDA varlen kernel's attention memory (CudaAttention: output and
@@ -26,9 +31,11 @@ log-sum-exp, no L x L scores or masks); --device=cpu plans the CPU's own attenti
 buffers and the caching allocator's fragmentation hold no tensors: they are one stated allowance (ALLOWANCE_GIB).
 Kernel workspaces (cuBLAS, compiled code) are not seen; nor is a tensor a kernel allocates inside itself. DDP's
 reducer runs no fake tensors: a DDP rank is planned unwrapped, its share of the batch, which is what it holds (its
-all-reduce buckets are its gradients: gradient_as_bucket_view). Not planned yet (refused in one line): train_rl.py
-(its generation phase and KV cache); nor a fake CUDA device (the CUDA branches of the code).
+all-reduce buckets are its gradients: gradient_as_bucket_view). Not planned: a fake CUDA device (the CUDA branches
+of the code); RL generation's decode attention is planned as the CPU's SDPA holds it (scores over the cached keys).
 """
+import ast
+import itertools
 import json
 import os
 import runpy
@@ -51,8 +58,10 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import common
 import context
+import generate as generation
 import packing
 import reference
+from data import dataset
 from hf import read_hf_config
 from model import PRESETS, Transformer, config_from_preset
 
@@ -85,18 +94,22 @@ class PhaseTracker:
         self.tracker = FSDPMemTracker(model, optimizer) if fsdp else MemTracker()
         self.tracker.track_external(optimizer, *([] if fsdp else [model]))  # the state of the steps before
         self.phase, peak_stats = "forward", self.tracker._update_peak_stats
+        self.caches, self.kv_cache = None, 0  # generating: its live KV caches; their bytes at the peak
 
         def update_peak_stats(state):  # the tracker's own update, then: did the peak just move?
             before = dict(self.tracker._peak_mem)
             peak_stats(state)
             if self.tracker._peak_mem != before:
-                self.phase = ("optimizer" if self.tracker._in_opt else
+                self.phase = ("optimizer" if self.tracker._in_opt else "generation" if self.caches is not None else
                               "backward" if self.tracker._mod_tracker.is_bw else "forward")
+                self.kv_cache = sum(t.untyped_storage().nbytes() for c in self.caches or () for t in c.k + c.v)
         self.tracker._update_peak_stats = update_peak_stats
 
         def new_forward(module, inputs):  # each micro-batch's forward starts the tracker's module stats anew (it
-            # takes a second one for a second step); a no-grad forward (adapters_off's reference) is not one
-            if module is model and not self.tracker._mod_tracker.is_bw and torch.is_grad_enabled():
+            # takes a second one for a second step), as does generation's; a no-grad forward (adapters_off's
+            # reference) is not one
+            if module is model and not self.tracker._mod_tracker.is_bw and (torch.is_grad_enabled() or
+                                                                          self.caches is not None):
                 self.tracker.reset_mod_stats()
         self.hook = torch.nn.modules.module.register_module_forward_pre_hook(new_forward)  # before the tracker's
         policy = {id(m) for m in model.modules()}  # a no-grad forward of the policy's modules (adapters_off's
@@ -119,6 +132,8 @@ class PhaseTracker:
             for key, nbytes in snap.items():
                 if key != "Total":
                     out[TRACKER.get(str(getattr(key, "value", key)), "temporaries")] += nbytes
+        out["activations"] -= self.kv_cache  # made in the model's forward: the tracker counts it as activations
+        out["kv_cache"] += self.kv_cache
         return out
 
 
@@ -140,10 +155,11 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     """Run `script` with `args` for two steps as rank 0 of `gpus` -> dict of the second step's peak memory by
     category (bytes), its phase, tokens and FLOPs on this rank. fake=False: the same, with real tensors (one process)
     -- what the tests compare the plan against."""
-    out_dir = tempfile.mkdtemp(prefix="plan-")
-    script_args = [script, *args, f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000",
-                   "--eval_interval=0", "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False",
-                   "--device=cpu"]
+    out_dir, keys = tempfile.mkdtemp(prefix="plan-"), script_keys(script)
+    script_args = [script, *args] + [a for a in (
+        f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000", "--eval_interval=0",
+        "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu",
+        "--reward=plan:distinct_reward") if a[2:].partition("=")[0] in keys]
     if device == "cuda":
         script_args.append("--dtype=bfloat16")
     state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None)
@@ -183,8 +199,49 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             return init_device_mesh("cpu", (gpus,))
 
     def setup(config, kind, builtin_sizes=None):
-        state["run"] = real["setup"](config, kind, builtin_sizes)
+        state["config"], state["run"] = config, real["setup"](config, kind, builtin_sizes)
         return state["run"]
+
+    def read_prompts(source, n, tok, limit, *args):  # RL: every prompt as long as the data's longest, or (the data
+        # not on this machine) as long as a group may be (train_rl.fits)
+        if on_disk(source) or source == "builtin":
+            found = real["read_prompts"](source, n, tok, limit, *args)
+            return [max(found, key=lambda p: len(p[0]))] * len(found)
+        c, positions = state["config"], state["run"].raw_model.config.max_seq_len
+        group, new = c["microbatch_tokens"] * c["context_parallel"], c["max_new_tokens"]
+        ids = [1] * max(1, min(positions - new, group - c["k"] * new if c["prefix_sharing"] else group // c["k"] - new))
+        limit(ids, f"{source} (not on this machine: prompts of {len(ids)} tokens planned)")
+        return [(ids, [dict(role="user", content="")], {}, source)] * (n or c["prompts_per_step"])
+
+    def generate(model, prompts, max_new_tokens, stop_ids=(), *args, **kwargs):  # RL: every reply max_new_tokens long
+        tracker = state["tracker"]
+        if tracker is not None:
+            tracker.caches = []  # the phase is generation, its KV caches counted as such
+        try:  # one draw for all rows; the replies to a prompt differ from their first token (nothing shared but
+            # the prompt), their values meaningless to memory
+            kwargs["generator"], k = None, kwargs.get("num_samples", 1)
+            decoding = state["decoding"] = Decoding(model, max_new_tokens) if fake else model  # real: every step
+            replies = real["generate"](decoding, prompts, max_new_tokens, (), *args, **kwargs)
+            return [[1 + i % k] + [1] * (len(r) - 1) for i, r in enumerate(replies)]
+        finally:
+            if tracker is not None:
+                tracker.caches = None
+
+    def rank_bins(*args):  # a rank's micro-batches: the first two (the largest) stand for its alike rest
+        bins = real["rank_bins"](*args)
+        if len(bins) > 2:
+            state["scale"], bins = sum(map(len, bins)) / sum(map(len, bins[:2])), bins[:2]
+        return bins
+
+    def sample(logits, *args, **kwargs):
+        skip = getattr(state.get("decoding"), "skipping", False)
+        return torch.ones(len(logits), dtype=torch.long) if skip else real["sample"](logits, *args, **kwargs)
+
+    def kv_cache(*args):
+        cache = real["KVCache"](*args)
+        if state["tracker"] is not None and state["tracker"].caches is not None:
+            state["tracker"].caches.append(cache)
+        return cache
 
     def set_lr(optimizer, lr):
         state["steps"] += 1
@@ -204,7 +261,9 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
 
     real = dict(check_kind=common.check_kind, prepare_data=common.prepare_data, load_data=common.load_data,
                 build_model=common.build_model, wrap_model=common.wrap_model,
-                setup=common.setup, set_lr=common.set_lr, count=__import__("metrics").Throughput.count)
+                setup=common.setup, set_lr=common.set_lr, count=__import__("metrics").Throughput.count,
+                read_prompts=dataset.read_prompts, generate=generation.generate, KVCache=generation.KVCache,
+                rank_bins=packing.rank_bins, sample=generation.sample)
     env = dict(WORLD_SIZE=str(gpus), RANK="0", LOCAL_RANK="0")
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with ExitStack() as stack:
@@ -216,7 +275,11 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                           ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
                           ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]:
             stack.enter_context(mock.patch.object(common, name, new))
-        stack.enter_context(mock.patch.object(fully_shard_module, "_init_default_mesh", default_mesh))
+        for module, name, new in [(dataset, "read_prompts", read_prompts), (generation, "generate", generate),
+                                  (generation, "KVCache", kv_cache), (generation, "packed", on_host(generation.packed)),
+                                  (packing, "rank_bins", rank_bins), (generation, "sample", sample),
+                                  (fully_shard_module, "_init_default_mesh", default_mesh)]:
+            stack.enter_context(mock.patch.object(module, name, new))
         stack.enter_context(mock.patch.object(common.StepGuard, "check", lambda self, *a: (True, False)))
         # a plan has no step to finish: Ctrl-C and SIGTERM stop it at once, not "after this step with a checkpoint"
         stack.enter_context(mock.patch.object(common.StopSignal, "__init__", lambda self: setattr(self, "name", None)))
@@ -230,6 +293,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             stack.enter_context(mock.patch("model.varlen_attention", cuda_attention))
         stack.enter_context(mock.patch.object(torch.Tensor, "item", fake_item))  # a printed loss, an evaluation
         stack.enter_context(mock.patch.object(torch.Tensor, "tolist", fake_tolist))
+        stack.enter_context(mock.patch.object(FakeTensor, "tolist", fake_tolist))  # its own: an item() a value
         for name in ("register_hook", "register_post_accumulate_grad_hook"):
             stack.enter_context(mock.patch.object(torch.Tensor, name, frozen_hook(getattr(torch.Tensor, name))))
         stack.enter_context(mock.patch.object(reference, "build_model", build_model))  # a live reference's copy
@@ -267,6 +331,43 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     scale = state.get("scale", 1.0)  # a step cut to two micro-batches a rank counts as the whole step
     return dict(by_category=by_category, phase=state["tracker"].phase, tokens=state["tokens"] * scale,
                 flops=state["flops"] * scale, config=state["config"])
+
+
+class Decoding:
+    """The policy while a plan generates: every reply runs to max_new_tokens (no stop), so decode steps differ only in
+    how many keys they read: the prefill, the first decode step and the last (the longest keys: the largest
+    temporaries) run the model; between them each step's logits are made, its forward skipped (an 8B decode step is
+    ~0.5 s of planning; the KV cache, allocated at the prefill, is the same size throughout), and so is the draw."""
+
+    def __init__(self, model, max_new_tokens):
+        self.model, self.config, self.steps, self.calls = model, model.config, max_new_tokens, 0
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def __call__(self, ids, positions, cu_seqlens, *args, **kwargs):
+        self.calls += 1
+        self.skipping = 2 < self.calls < self.steps
+        if self.skipping:
+            return torch.empty(len(cu_seqlens) - 1, self.vocab, dtype=self.dtype)
+        logits = self.model(ids, positions, cu_seqlens, *args, **kwargs)
+        self.vocab, self.dtype = logits.shape[-1], logits.dtype
+        return logits
+
+
+def script_keys(script):
+    """The config keys a script defines: the names its top level assigns."""
+    with open(script) as f:
+        tree = ast.parse(f.read())
+    return {t.id for node in tree.body if isinstance(node, ast.Assign) for t in node.targets if isinstance(t, ast.Name)}
+
+
+def distinct_reward(messages, reply, **fields):
+    """RL's reward in a plan: a new value for every reply, so that every group is trained (the worst case)."""
+    return float(next(REWARDS))
+
+
+REWARDS = itertools.count()
 
 
 def fake_item(t):
@@ -415,9 +516,6 @@ def main(argv):
             opts[key] = type(PLAN_KEYS[key])(value)
         else:
             args.append(a)
-    if os.path.basename(argv[0]) == "train_rl.py":
-        raise SystemExit("plan: train_rl.py is not planned yet (its generation phase and KV cache); train_sft.py and "
-                         "train_dpo.py are")
     if opts["device"] not in ("cuda", "cpu") or opts["gpus"] < 1:
         raise SystemExit(f"plan: --device={opts['device']!r} --gpus={opts['gpus']}; device is 'cuda' or 'cpu', "
                          f"gpus at least 1")

@@ -163,7 +163,7 @@ def score(prompts, replies, num_samples):
             raise SystemExit(f"reward {reward} returned {value} for prompt {where} (reply {text!r}); a reward must "
                              f"be a finite number; nothing from this step is trained or saved")
         out.append(value)
-    return torch.tensor(out, dtype=torch.float64)
+    return np.array(out, dtype=np.float64)  # host values: plan.py's fake tensors would hide them
 
 
 def sample(step):
@@ -179,7 +179,7 @@ def sample(step):
                            generator=gens, sync_ranks=sync_ranks, num_samples=k, top_p=top_p)
     model.train()
     t0 = time.perf_counter()
-    rewards = score(prompts, replies, k).view(-1, k) if first_of_group else None
+    rewards = score(prompts, replies, k).reshape(-1, k) if first_of_group else None
     # generation without CP: a CP group's ranks draw the same replies (same prompts, generators and weights); its first
     # rank's replies and rewards are the group's, so that a nondeterministic kernel or reward cannot set them apart
     replies, rewards = run.cp.broadcast((replies, rewards))
@@ -191,9 +191,9 @@ def training_batches(prompts, replies, rewards):
     global normaliser: reply tokens (grpo) or pairs (online_dpo), groups trained, tokens without sharing). Groups that
     teach nothing (all k rewards equal, and no KL term) are left out."""
     if loss == "grpo":
-        keep = [g for g in range(len(prompts)) if kl_coef or rewards[g].std() > 0]
+        keep = [g for g in range(len(prompts)) if kl_coef or rewards[g].max() > rewards[g].min()]
         groups, size = [replies[g] for g in keep], k
-        advantages = group_advantages(rewards)[keep].flatten().float().to(device)
+        advantages = group_advantages(torch.from_numpy(rewards))[keep].flatten().float().to(device)
     else:  # online_dpo: the best and the worst reply of each group whose rewards differ
         keep = [g for g in range(len(prompts)) if rewards[g].max() > rewards[g].min()]
         groups = [[replies[g][rewards[g].argmax()], replies[g][rewards[g].argmin()]] for g in keep]
