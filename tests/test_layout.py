@@ -17,6 +17,7 @@ FLOORS = [  # lowest first: a module may import only from floors below its own
     ("configurator",),
     ("common",),
     ("reference",),
+    ("fake_step",),
     ("train_sft", "train_dpo", "train_rl", "sample", "plot", "launch", "plan"),
 ]
 FLOOR = {name: i for i, names in enumerate(FLOORS) for name in names}

@@ -71,7 +71,7 @@ RL = ["--init_from=scratch", "--preset=tiny", "--prompts_per_step=8", "--k=4", "
 @pytest.mark.parametrize("extra", [[], ["--loss=online_dpo"], ["--kl_coef=0.1", "--updates_per_batch=2"]])
 def test_rl_plan_equals_the_real_step(extra):
     """train_rl.py, its worst case in both runs: every prompt the data's longest, every reply max_new_tokens long (no
-    stop), every group trained (plan.distinct_reward). Peak in training here: state exact, activations within 1% or
+    stop), every group trained (fake_step.distinct_reward). Peak in training here: state exact, activations within 1% or
     64 KiB (as above); the reference (online_dpo, kl_coef: a live frozen copy) its own category."""
     fake, real = peak("train_rl.py", RL + extra), peak("train_rl.py", RL + extra, fake=False)
     assert fake["phase"] == real["phase"] != "generation"
