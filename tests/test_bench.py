@@ -73,3 +73,10 @@ def test_bench_context_smoke():
     rows = [l for l in out.splitlines() if l.startswith(("| 1 | 0 |", "| 2 | 0 |", "| 2 | 1 |"))]
     assert len(rows) == 3 and not any("failed" in r for r in rows), out
     assert "| one sequence of 512 | 1 | 2 | 0 | 1.000 | 1.499 |" in out, out  # head-tail balanced, contiguous not
+
+
+def test_bench_plan_vs_real_smoke():
+    """The plan of an SFT and a DPO step equals the same tracker on the real step (tiny model: seconds)."""
+    out = run("bench/plan_vs_real.py", "--preset=tiny")
+    rows = [l.split("|") for l in out.splitlines() if l.startswith("| train_")]
+    assert len(rows) == 2 and all(abs(float(r[4]) - 1) < 0.01 for r in rows), out
