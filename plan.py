@@ -88,6 +88,8 @@ def table(f, seconds):
                                                 if f.get("search_capped") else "") + (
                  f": none, the parameters, gradients and optimizer state alone take {state:.2f} GiB a GPU (FSDP2 "
                  f"shards them over more GPUs; LoRA trains adapters only)" if not f["max_microbatch_tokens"] else ""),
+             *(["generation's KV cache grows with prompts_per_step / GPUs x k x (prompt + max_new_tokens), not with "
+                "microbatch_tokens"] if f["peak_phase"] == "generation" else []),
              f"per step: {f['tokens_per_step']:,} tokens, {f['flops_per_step']:.3e} model FLOPs | "
              f"world size {f['world_size']} | planned in {seconds:.1f}s"]
     return "\n".join(rows)
