@@ -46,7 +46,7 @@ def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=25
     (activations), so the line through the last two plans guesses where it crosses gpu_memory; each guess is planned
     and narrows [fits, does not fit] until it is one step wide: 3-5 plans on a line, as many as bisection on a
     staircase (a micro-batch holds whole sequences). Twice the budget at the same peak is the step's whole share of a
-    rank: larger budgets change nothing, and the search stops there."""
+    rank: larger budgets change nothing, and the search stops there (returning the smaller)."""
     def plan_at(n):
         progress(f"plan: microbatch_tokens={n * step:,}?")
         f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device)
@@ -57,8 +57,8 @@ def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=25
     while hi is None or hi - lo > 1:
         (na, pa), (nb, pb) = sorted(peaks.items())[-2:] if len(peaks) > 1 else ((None, None), (None, None))
         if hi is None and na and pb == pa and nb >= 2 * na:  # twice the budget, one peak: the same micro-batches,
-            first["search_capped"] = True  # the step's whole share
-            return lo * step
+            first["search_capped"] = True  # the step's whole share: the smaller of the two
+            return na * step
         if hi is None:  # grow: where the line through the two largest crosses, at least doubling the last gain
             line = int(nb + (gpu_memory - pb) * (nb - na) / (pb - pa)) if na and pb > pa else 0
             guess = max(line, 2 * lo - (na if sides[-1:] == [True] and na else 0), lo + 1)
@@ -84,7 +84,7 @@ def table(f, seconds):
     rows += [f"{'peak':<12} {f['peak_gib']:8.2f}  in {f['peak_phase']}, of {f['gpu_memory_gib']:g} GiB: "
              f"{'fits' if f['fits'] else 'does NOT fit'}",
              f"largest microbatch_tokens that fits: {f['max_microbatch_tokens']:,} (planned at "
-             f"{f['microbatch_tokens']:,})" + (", and any larger: a rank's whole step is one micro-batch there"
+             f"{f['microbatch_tokens']:,})" + (" or any larger: from there on a rank's whole step is one micro-batch"
                                                 if f.get("search_capped") else "") + (
                  f": none, the parameters, gradients and optimizer state alone take {state:.2f} GiB a GPU (FSDP2 "
                  f"shards them over more GPUs; LoRA trains adapters only)" if not f["max_microbatch_tokens"] else ""),

@@ -121,12 +121,13 @@ first_of_group = run.cp.rank == 0  # what a CP group's ranks hold alike (its gro
 def fits(ids, where):
     """A prompt's group must fit one micro-batch and its replies the model's positions, whatever they sample."""
     group = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
-    if len(ids) + max_new_tokens > raw_model.config.max_seq_len or group > microbatch_tokens * context_parallel:
+    too_many = group > microbatch_tokens * context_parallel  # else too many positions
+    if len(ids) + max_new_tokens > raw_model.config.max_seq_len or too_many:
         fail(f"data error: {where}: the prompt has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and k={k} "
              f"its group needs up to {group} tokens, its replies {len(ids) + max_new_tokens} positions "
-             f"(microbatch_tokens={microbatch_tokens}, max_seq_len={raw_model.config.max_seq_len}); raise "
-             f"microbatch_tokens, split it over GPUs with --context_parallel={-(-group // microbatch_tokens)} "
-             f"(torchrun), lower max_new_tokens or shorten the prompt")
+             f"(microbatch_tokens={microbatch_tokens}, max_seq_len={raw_model.config.max_seq_len}); " + (
+                 f"raise microbatch_tokens, split it over GPUs with --context_parallel={-(-group // microbatch_tokens)}"
+                 f" (torchrun), " if too_many else "") + "lower max_new_tokens or shorten the prompt")
 
 
 try:

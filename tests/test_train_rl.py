@@ -212,6 +212,18 @@ def test_a_bad_reward_is_one_line_and_nothing_is_saved(tmp_path, reward, message
     assert not os.path.exists(os.path.join(tmp_path, "ckpt.pt"))
 
 
+@pytest.mark.parametrize("kw, hint", [
+    (dict(max_new_tokens=2000, microbatch_tokens=40000), "positions (microbatch_tokens=40000, max_seq_len=2048); "
+                                                         "lower max_new_tokens"),
+    (dict(microbatch_tokens=64), "raise microbatch_tokens, split it over GPUs with --context_parallel="),
+])
+def test_a_group_that_cannot_fit_names_only_what_helps(tmp_path, kw, hint):
+    """Too many positions for the model is not helped by a larger micro-batch or context parallelism: only what can
+    help is suggested."""
+    out = run(args(str(tmp_path), **kw), check=False)
+    assert out.returncode != 0 and hint in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
+
+
 def test_prompt_records_and_their_fields_reach_the_reward(tmp_path):
     path = tmp_path / "prompts.jsonl"
     lines = [{"prompt": "Say hi", "target": "hi"}, {"messages": [{"role": "user", "content": "Say yo"}], "target": "yo"}]
