@@ -29,6 +29,7 @@ import itertools
 import os
 import re
 import runpy
+import shutil
 import signal
 import sys
 import tempfile
@@ -291,6 +292,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                 dist.destroy_process_group()
             for s, h in handlers.items():
                 signal.signal(s, h)
+            shutil.rmtree(out_dir, ignore_errors=True)  # the run's folder: logs, a lock, prepared data
     if state["steps"] < 3:
         raise SystemExit(f"plan: {script} ended before its second step finished")
     by_category = state["tracker"].peak()
