@@ -141,8 +141,8 @@ def worst_case_data(c, group_size, max_seq_len, gpus):
 
 def plan_step(script, args, gpus=1, device="cuda", fake=True):
     """Run `script` with `args` for two steps as rank 0 of `gpus` -> dict of the second step's peak memory by
-    category (bytes), its phase, tokens and FLOPs on this rank. fake=False: the same, with real tensors (one process)
-    -- what the tests compare the plan against."""
+    category (bytes), its phase, tokens and FLOPs on this rank. fake=False: the same, with real tensors (gpus > 1:
+    each rank of a torchrun gloo group) -- what the tests compare the plan against."""
     out_dir, keys = tempfile.mkdtemp(prefix="plan-"), script_keys(script)
     script_args = [script, *args] + [a for a in (
         f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000", "--eval_interval=0",
@@ -153,10 +153,11 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
 
-    def setup_distributed(device_name="auto", timeout_s=300):
+    def setup_distributed(device_name="auto", timeout_s=300):  # real tensors on more ranks: torchrun's gloo group
         if gpus > 1:
-            dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=gpus)
-        return 0, gpus, torch.device("cpu")
+            kind, options = ("fake", dict(store=FakeStore(), rank=0, world_size=gpus)) if fake else ("gloo", {})
+            dist.init_process_group(kind, **options)
+        return dist.get_rank() if gpus > 1 else 0, gpus, torch.device("cpu")
 
     def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
         state["config"], state["kind"], state["max_seq_len"] = c, kind, max_seq_len
@@ -237,7 +238,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                 build_model=common.build_model, wrap_model=common.wrap_model,
                 setup=common.setup, set_lr=common.set_lr, count=__import__("metrics").Throughput.count,
                 read_prompts=dataset.read_prompts, generate=generation.generate, rank_bins=packing.rank_bins)
-    env = dict(WORLD_SIZE=str(gpus), RANK="0", LOCAL_RANK="0")
+    env = dict(WORLD_SIZE=str(gpus), RANK="0", LOCAL_RANK="0") if fake else {}
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with ExitStack() as stack:
         for name, new in [("setup_distributed", setup_distributed), ("prepare_data", prepare_data),

@@ -1,10 +1,12 @@
 """plan.py: the plan of a step on fake tensors equals what the same tracker measures on the real step (CPU), and its
 figures move the way memory does (FSDP2 sharding, micro-batch size, checkpointing, LoRA, an 8B preset in seconds)."""
+import json
 import time
 
 import pytest
 
 import plan
+from conftest import run_script
 
 TINY = ["--init_from=scratch", "--preset=tiny", "--batch_size=4", "--max_len=128", "--microbatch_tokens=256"]
 EXACT = ("parameters", "gradients", "optimizer", "temporaries", "collectives", "reference")
@@ -14,7 +16,8 @@ def peak(script, args, gpus=1, fake=True):
     return plan.plan_step(script, args, gpus=gpus, device="cpu", fake=fake)
 
 
-@pytest.mark.parametrize("script,extra", [("train_sft.py", []), ("train_dpo.py", ["--reference=live"]),
+@pytest.mark.parametrize("script,extra", [("train_sft.py", []), ("train_sft.py", ["--lora_rank=4"]),
+                                          ("train_dpo.py", ["--reference=live"]),
                                           ("train_dpo.py", ["--reference=cached"]),
                                           ("train_dpo.py", ["--lora_rank=4", "--reference=adapters_off"])])
 def test_plan_equals_the_real_step(script, extra):
@@ -30,6 +33,20 @@ def test_plan_equals_the_real_step(script, extra):
     assert abs(a - b) <= max(0.01 * b, 64 * 1024), (a, b)
     if "--reference=live" in extra:  # the frozen copy: as large as the policy's parameters, and its own category
         assert fake["by_category"]["reference"] == fake["by_category"]["parameters"]
+
+
+def test_fsdp2_plan_equals_the_real_step_on_two_processes():
+    """FSDP2 over 2 ranks: the plan (one process, a fake group) against the same step on a real gloo group of two
+    (torchrun), rank 0's tracker: state and collectives exact, activations within 1% or 64 KiB (as above)."""
+    args = TINY + ["--parallel=fsdp", "--batch_size=8"]
+    out = run_script("tests/plan_check.py", ["train_sft.py", *args], nproc=2)
+    real = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("PLAN "))[5:])
+    fake = peak("train_sft.py", args, gpus=2)
+    assert fake["phase"] == real["phase"] and fake["tokens"] == real["tokens"]
+    for k in EXACT:
+        assert fake["by_category"][k] == real["by_category"][k], k
+    a, b = fake["by_category"]["activations"], real["by_category"]["activations"]
+    assert abs(a - b) <= max(0.01 * b, 64 * 1024), (a, b)
 
 
 def test_fsdp_state_halves_from_8_to_16_gpus():
