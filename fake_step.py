@@ -74,7 +74,7 @@ class Done(Exception):
 
 
 class PhaseTracker:
-    """The tracker, remembering the phase (forward / backward / optimizer) of its peak."""
+    """The tracker, remembering the phase (forward / backward / optimizer / generation) of its peak."""
 
     def __init__(self, model, optimizer):
         fsdp = hasattr(model, "set_requires_gradient_sync") and dist.is_initialized()
@@ -97,7 +97,7 @@ class PhaseTracker:
             # takes a second one for a second step), as does generation's; a no-grad forward (adapters_off's
             # reference) is not one
             if module is model and not self.tracker._mod_tracker.is_bw and (torch.is_grad_enabled() or
-                                                                          self.decoding is not None):
+                                                                          self.decoding):
                 self.tracker.reset_mod_stats()
         self.hook = torch.nn.modules.module.register_module_forward_pre_hook(new_forward)  # before the tracker's
         policy = {id(m) for m in model.modules()}  # a no-grad forward of the policy's modules (adapters_off's
@@ -315,6 +315,7 @@ class Decoding:
 
     def __init__(self, model, steps):
         self.model, self.config, self.steps, self.calls, self.cache = model, model.config, steps, 0, None
+        self.skipping = False
 
     def parameters(self):
         return self.model.parameters()
