@@ -2,15 +2,11 @@
 Chat templates: the text a conversation becomes, and which of it is trained.
 
 A folder's own template (chat_template.jinja, else tokenizer_config.json "chat_template") is compiled and rendered as
-transformers does: a sandboxed jinja2 environment with its settings, filters and globals, and tokenizer_config.json's
-special tokens as variables. Without one (and for the byte-level tokenizer) a built-in format is used (TEMPLATES).
-
-Messages reach the template as apply_chat_template passes them: every field (None values dropped), the reasoning
-under each name templates read (REASONING_FIELDS), tools and chat_template_kwargs as variables.
-Trained (loss mask 1): each assistant turn as the template writes it, from right after the generation header (what
-add_generation_prompt writes) through the special token that ends it: its reasoning and tool-call blocks too. All else
-is 0: bos, headers, default system prompts, system, user and tool turns. A template with {% generation %} blocks says
-itself what is trained: the blocks of those turns. Tokenizer.render turns text and reply spans into ids and mask.
+transformers does, messages, tools and chat_template_kwargs passed as apply_chat_template passes them. Without one
+(and for the byte-level tokenizer) a built-in format is used (TEMPLATES).
+Trained (loss mask 1): each assistant turn as the template writes it, from right after the generation header through
+the special token that ends it, reasoning and tool calls included. All else is 0: bos, headers, default system
+prompts, system, user and tool turns. A template with {% generation %} blocks says itself what is trained.
 """
 import hashlib
 import itertools
@@ -42,8 +38,7 @@ TEMPLATE_VARIABLES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_t
 
 
 def read_chat_template(folder, config):
-    """The folder's own chat template as transformers picks it: chat_template.jinja, else tokenizer_config.json's
-    "chat_template" (a string, or named ones: "default") -> (source, the special tokens it may use, where) or None."""
+    """The folder's own chat template as transformers picks it -> (source, special-token variables, where) or None."""
     where = os.path.join(folder, "chat_template.jinja")
     if os.path.exists(where):
         with open(where, encoding="utf-8") as f:
@@ -66,8 +61,7 @@ def read_chat_template(folder, config):
 
 
 class GenerationBlock(jinja2.ext.Extension):
-    """{% generation %}...{% endgeneration %} (TRL marks assistant text with it): its body between GENERATION marks,
-    which ChatTemplate.render takes out, noting where the body stands (transformers' assistant mask)."""
+    """{% generation %}...{% endgeneration %} (TRL's mark on assistant text): its body between GENERATION marks."""
     tags = {"generation"}
 
     def parse(self, parser):
@@ -78,8 +72,7 @@ class GenerationBlock(jinja2.ext.Extension):
 
 
 def compile_chat_template(source, where):
-    """A template compiled as transformers does (chat_template_utils.py): a sandbox that cannot reach Python internals,
-    trim_blocks + lstrip_blocks, {% break %}/{% continue %}, raise_exception, strftime_now, tojson not escaping HTML."""
+    """A template compiled as transformers' chat_template_utils.py does: a sandbox with its settings and helpers."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                         extensions=[jinja2.ext.loopcontrols, GenerationBlock])
 
@@ -101,8 +94,7 @@ def compile_chat_template(source, where):
 
 
 class ChatTemplate:
-    """A folder's own template, (source, variables, where) as read_chat_template gives them: compiled, rendered
-    with the arguments transformers gives it, and searched for the replies it writes."""
+    """A folder's own template (read_chat_template's tuple): compiled, rendered, searched for the replies it writes."""
 
     def __init__(self, source, variables, where):
         self.source, self.variables, self.where = source, variables, where
@@ -129,10 +121,9 @@ class ChatTemplate:
         return "".join(parts)
 
     def check(self, messages, tools, kwargs, free):
-        """Refuse what the template would silently leave out of training: a variable it never reads (tools, a
-        chat_template_kwargs key), or a message field it does not write. A field is written when, each of its values
-        replaced by a character the data lacks (from `free`), the rendering holds them all; an assistant turn's, in
-        the rendering of the conversation up to it (Qwen3 leaves earlier turns' reasoning out of the history)."""
+        """Refuse a variable the template never reads, or a message field it does not write: each value replaced by a
+        character the data lacks (from `free`) must appear in the rendering, an assistant turn's in the conversation up
+        to it (Qwen3 leaves earlier turns' reasoning out of the history)."""
         unread = [name for name in [*kwargs, *["tools"] * bool(tools)] if name not in self.reads]
         if unread:
             raise ValueError(f"{self.where}: the template reads no variable {unread[0]!r} (it reads "
@@ -152,10 +143,8 @@ class ChatTemplate:
                                  f"template that renders it")
 
     def reply_spans(self, text, messages, trained, args, mark):
-        """(start, end) in text (messages rendered with args: add_generation_prompt, tools, kwargs) of each assistant
-        reply among messages[i], i in trained: where a rendering with the message replaced by {"content": mark}
-        differs, to where that ends; the start moved back to the end of the generation header before it, if no turn
-        ends between (Qwen3 opens the last reply with <think>, whatever it holds: the model writes it)."""
+        """(start, end) in text of each trained assistant reply: where a rendering with it replaced by mark differs,
+        the start moved back to the generation header's end if no turn ends between (Qwen3's <think>)."""
         spans, header = [], self.generation_header(args[2])
         for i in trained:
             if messages[i]["role"] != "assistant":

@@ -38,10 +38,8 @@ END_OF_TEXT = ["<|end_of_text|>", "<|eom_id|>", "<|endoftext|>"]
 
 
 class Tokenizer:
-    """encode/decode plain text, render chats. Attributes: name ("byte" or the model folder), template ("simple" |
-    "llama3" | "chatml", or "model": the folder's own chat template), vocab_size, special_tokens {text: id}, eos_id
-    (the template's end-of-turn token), stop_ids (eos_id + the model's end-of-text tokens: generation stops at any of
-    them), bos_id (None for Qwen-style chatml); chat_template_kwargs and escape_special_text (see configure_chat)."""
+    """encode/decode plain text, render chats. template: a TEMPLATES name or "model" (the folder's own); eos_id: the
+    template's end-of-turn token; stop_ids: it and the model's end-of-text tokens; bos_id: None for Qwen's chatml."""
 
     def __init__(self, name, pat_str, mergeable_ranks, special_tokens, template, bos=None, nfc=False,
                  unk=None, fuse_unk=False, chat_template=None):
@@ -59,11 +57,9 @@ class Tokenizer:
         # tokenizers finds added tokens in text leftmost-longest; so does this alternation, longest first
         longest_first = sorted(special_tokens, key=len, reverse=True)
         self._special_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!): no match
-        missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
-        self._missing_re, self._split_re = None, None  # runs of bytes the vocab lacks; tiktoken's split
-        if missing:
-            self._missing_re = re.compile(b"([%s]+)" % b"".join(b"\\x%02x" % b for b in missing))
-            self._split_re = regex.compile(pat_str)
+        missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]  # runs of them: _missing_re
+        self._missing_re = re.compile(b"([%s]+)" % b"".join(b"\\x%02x" % b for b in missing)) if missing else None
+        self._split_re = regex.compile(pat_str) if missing else None  # tiktoken's split, for that text
         self.unk_id, self.fuse_unk = unk, fuse_unk  # what tokenizers emits for a byte it cannot spell
         self._trusted_cache = {}
         self.chat_template_kwargs, self.escape_special_text = {}, False
@@ -94,18 +90,15 @@ class Tokenizer:
         """Plain text -> ids. Special-token text is encoded as ordinary text, never as a special."""
         if self.nfc:
             text = unicodedata.normalize("NFC", text)
-        if self._missing_re is None:
-            return self.enc.encode_ordinary(text)
         data = utf8(text)
-        if not self._missing_re.search(data):
+        if self._missing_re is None or not self._missing_re.search(data):
             return self.enc.encode_ordinary(text)
         pieces = self._split_re.findall(data.decode())  # as tiktoken would cut the text
         return [t for piece in pieces for t in self._encode_piece(piece.encode())]
 
     def _encode_piece(self, piece):
-        """One regex piece holding bytes the vocab lacks (SmolLM2 lacks 21 of the 256), as tokenizers' BPE does it: the
-        bytes are dropped and the rest merged as one word; with an unk token, each byte (each run with fuse_unk)
-        becomes unk and the parts between are merged separately. Only text holding such a byte takes this path."""
+        """A piece holding bytes the vocab lacks (SmolLM2 lacks 21), as tokenizers does it: the bytes dropped, the rest
+        merged as one word; with an unk token, each byte (each run with fuse_unk) is unk, the parts between merged."""
         parts = self._missing_re.split(piece)  # kept, missing run, kept, ..., kept
         if self.unk_id is None:
             kept = b"".join(parts[0::2])
@@ -138,9 +131,8 @@ class Tokenizer:
 
     # chats ----------------------------------------------------------------------------------------
     def configure_chat(self, chat_template_kwargs=None, escape_special_text=False):
-        """Settings of every chat this tokenizer renders, part of template_id (so of prepared data and caches):
-        chat_template_kwargs, template variables as apply_chat_template(**kwargs) passes them (enable_thinking=False);
-        escape_special_text, special-token text in messages that the template does not parse kept plain text."""
+        """Settings of every chat rendered, part of template_id (so of prepared data and caches): chat_template_kwargs
+        as apply_chat_template(**kwargs) passes them; escape_special_text (see the module docstring)."""
         kwargs = dict(chat_template_kwargs or {})
         if self.template == "model":
             self.chat_template.check([], None, kwargs, None)
@@ -153,9 +145,8 @@ class Tokenizer:
         return self
 
     def render(self, messages, add_generation_prompt=False, trained_from=0, tools=None, **kwargs):
-        """[{"role", "content", ...}, ...] -> (ids, loss_mask), two lists of equal length; the assistant messages from
-        index trained_from on are trained. add_generation_prompt: an open assistant turn follows (untrained). tools
-        and kwargs (over chat_template_kwargs) reach the template as apply_chat_template(tools=..., **kwargs) does."""
+        """[{"role", "content", ...}, ...] -> (ids, loss_mask), assistant messages from index trained_from on trained;
+        tools and kwargs (over chat_template_kwargs) reach the template as apply_chat_template passes them."""
         kwargs, trained = {**self.chat_template_kwargs, **kwargs}, range(trained_from, len(messages))
         if self.template == "model":
             return self._render_model(messages, add_generation_prompt, trained, tools, kwargs)
@@ -194,9 +185,8 @@ class Tokenizer:
                      for response in (chosen, rejected))
 
     def render_turns(self, messages, tools=None, **kwargs):
-        """reasoning_turns='each' -> [(ids, mask)]: each assistant turn that the whole conversation renders otherwise
-        than the conversation up to it does (Qwen3 leaves earlier turns' reasoning out) is an example of its own, that
-        prefix with only it trained; the whole conversation trains the other turns (if any)."""
+        """reasoning_turns='each' -> [(ids, mask)]: an assistant turn the whole conversation renders otherwise (Qwen3
+        drops earlier reasoning) is its prefix, only it trained; the whole conversation trains the others (if any)."""
         if self.template != "model":
             return [self.render(messages, tools=tools, **kwargs)]
         kwargs, ct = {**self.chat_template_kwargs, **kwargs}, self.chat_template
@@ -215,9 +205,8 @@ class Tokenizer:
         return self._trusted_cache[s]
 
     def _render_model(self, messages, add_generation_prompt, trained, tools, kwargs, check=True):
-        """The folder's own template: the text transformers renders, tokenized as transformers tokenizes it; trained,
-        the indices of the messages to train. escape_special_text: each special-token text in messages whose wrapping
-        in two private-use characters leaves the rendering unchanged (the template does not parse it) is wrapped."""
+        """The text transformers renders, tokenized as transformers does; trained: message indices. escape_special_text:
+        special-token text whose wrapping in private-use characters leaves the rendering unchanged is wrapped."""
         ct = self.chat_template
         seen = json.dumps([messages, tools], ensure_ascii=False, default=str) + ct.source
         used = set(re.findall("[\ue000-\uf8ff]", seen))
@@ -377,8 +366,7 @@ class Tokenizer:
 
     @classmethod
     def from_dir(cls, path, template=None):
-        """A model folder. Prefers tokenizer.json; falls back to a Llama-3 tiktoken tokenizer.model.
-        template None: the folder's own chat template if it has one, else a guessed built-in one."""
+        """A model folder's tokenizer.json, else its Llama-3 tokenizer.model; template None: its own, else guessed."""
         config_path = os.path.join(path, "tokenizer_config.json")
         config = {}
         if os.path.exists(config_path):
