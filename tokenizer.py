@@ -417,9 +417,8 @@ def split_regex(pre, unsupported):
         # so the second alternative matches such a stretch (a no-op for patterns that cover all text)
         return f"{pat}|(?:(?!(?:{pat}))[\\s\\S])+"
     if kinds == ["Digits", "ByteLevel"] and use_regex:  # SmolLM2, StarCoder
-        # Digits first cuts the text around digits, then GPT-2's regex runs on each stretch. As one
-        # regex: digits stand alone, and whitespace just before a digit ends its stretch, so it is
-        # matched whole (the stretch-end (?!\S) lookahead would otherwise keep its last space back).
+        # Digits cuts around digits, then GPT-2's regex runs on each stretch. As one regex: digits stand alone, and
+        # whitespace just before a digit is matched whole (the (?!\S) lookahead would keep its last space back).
         digits = r"\p{N}" if steps[0].get("individual_digits") else r"\p{N}+"
         return GPT2_PATTERN.replace(r" ?\p{N}+", digits).replace(r"\s+(?!\S)", r"\s+(?=\p{N})|\s+(?!\S)")
     raise unsupported("pre_tokenizer", f"{kinds} cannot be expressed as one tiktoken split regex")

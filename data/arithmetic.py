@@ -9,15 +9,12 @@ The built-in dataset: short arithmetic chats, generated deterministically, so th
     assistant: Sure! 40-9 = 31                  (the "chatty" style: a filler word first)
 
 1 to 4 turns, several phrasings. A hash of its text puts each conversation in train or val; both draw on one finite
-table of arithmetic facts, so held-out accuracy measures the chat task, not arithmetic on unseen numbers.
-SFT mixes the two styles at random: which one to prefer is left to preference tuning. DPO pairs: the prompt up to
-the last question; chosen, the right answer in the plain style; rejected, in 3 pairs of 4 the right answer in the
-chatty style, else a plausible wrong answer in the plain style (so moving towards the style does not move away from
-being right). evaluate() answers val prompts greedily: exact-match accuracy (score()) and the preferred-behaviour
-rate (the share of plain replies, preferred()).
-RL: rl_prompts() yields the chats cut before their last answer, with the answer reward() checks (1 exact, else 0);
-hard=True keeps the chats whose last question adds to or subtracts from the previous answer (two operations in a
-row, where the SFT model is ~60% right against ~83% overall).
+table of facts, so held-out accuracy measures the chat task, not arithmetic on unseen numbers. SFT mixes the styles
+at random: which to prefer is left to preference tuning. DPO: chosen, the right answer plain; rejected, in 3 pairs of
+4 the right answer chatty, else a plausible wrong answer plain (so moving towards the style is not away from being
+right). evaluate(): greedy val replies' exact-match accuracy (score()) and share of plain replies (preferred()).
+RL: rl_prompts(), chats cut before their last answer, which reward() checks; hard=True keeps those whose last question
+adds to or subtracts from the previous answer (the SFT model is ~60% right there against ~83% overall).
 
     python data/arithmetic.py    # print a few examples
 """
@@ -32,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python data/arithmetic.py
-from data.prepare import write_token_files  # noqa: E402
+from data.prepare import read_meta, write_token_files  # noqa: E402
 from generate import generate  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
 
@@ -60,18 +57,17 @@ def is_val(messages):
 
 def draw_problem(rng, prev):
     """-> (a, op, b, follow_up). The ranges at the top keep the table small enough for the toy model to learn."""
-    while True:
-        op = rng.choice("+-*")
-        follow_up = prev is not None and rng.random() < 0.4 and (op != "*" or prev <= MAX_FOLLOW_MUL)
-        if follow_up:
-            a, b = prev, (2 if op == "*" else rng.randint(1, MAX_FOLLOW_ADD))
-        elif op == "*":
-            a, b = rng.randint(2, MAX_MUL[0]), rng.randint(2, MAX_MUL[1])
-        else:
-            a, b = rng.randint(0, MAX_ADD), rng.randint(0, MAX_ADD)
-        if op == "-" and b > a:  # answers stay >= 0
-            a, b = (a, rng.randint(0, a)) if follow_up else (b, a)
-        return a, op, b, follow_up
+    op = rng.choice("+-*")
+    follow_up = prev is not None and rng.random() < 0.4 and (op != "*" or prev <= MAX_FOLLOW_MUL)
+    if follow_up:
+        a, b = prev, (2 if op == "*" else rng.randint(1, MAX_FOLLOW_ADD))
+    elif op == "*":
+        a, b = rng.randint(2, MAX_MUL[0]), rng.randint(2, MAX_MUL[1])
+    else:
+        a, b = rng.randint(0, MAX_ADD), rng.randint(0, MAX_ADD)
+    if op == "-" and b > a:  # answers stay >= 0
+        a, b = (a, rng.randint(0, a)) if follow_up else (b, a)
+    return a, op, b, follow_up
 
 
 def conversation(rng):
@@ -159,8 +155,8 @@ def reward(prompt, reply, answer):
 
 @torch.no_grad()
 def evaluate(model, tok, n, autocast, sync_ranks):
-    """The first n val prompts answered greedily, split over ranks -> dict(val_accuracy, val_preferred), the same
-    on every rank. model: the network itself (FSDP2 modules gather their shards when called); sync_ranks: FSDP."""
+    """The first n val prompts answered greedily, split over ranks -> dict(val_accuracy, val_preferred) on every rank.
+    model: the network itself (FSDP2 modules gather their shards when called); sync_ranks: FSDP."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problems = val_problems(n)[rank::world_size]
     with autocast:
@@ -175,15 +171,13 @@ def evaluate(model, tok, n, autocast, sync_ranks):
 
 
 def prepare_builtin(out_dir, tokenizer="byte", kind="sft", n_train=20_000, n_val=500, seed=0, verbose=True):
-    """Write the dataset as token files in out_dir (see data/prepare.py), unless they are already
-    there for the same settings; returns the meta dict. tokenizer: a Tokenizer, "byte" or a model folder."""
+    """The dataset as token files in out_dir (see data/prepare.py), unless there for the same settings -> meta.
+    tokenizer: a Tokenizer, "byte" or a model folder."""
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     settings = dict(source=f"{VERSION}-{kind}", n_train=n_train, n_val=n_val, seed=seed)
     if os.path.exists(os.path.join(out_dir, "meta.json")):
-        with open(os.path.join(out_dir, "meta.json")) as f:
-            meta = json.load(f)
-        wanted = dict(settings, tokenizer=tok.name, template=tok.template_id)
-        if all(meta.get(k) == v for k, v in wanted.items()):
+        meta = read_meta(out_dir)
+        if all(meta.get(k) == v for k, v in dict(settings, tokenizer=tok.name, template=tok.template_id).items()):
             return meta
     make = dict(sft=sft_examples, dpo=dpo_examples)[kind]
     items = ((f"{VERSION}:{split}:{i}", split, record)  # (where, split, record), as prepare.py reads them

@@ -22,9 +22,8 @@ def prepared(data):
 
 
 def check_kind(data, data_split, val_data, val_split, kind):
-    """SFT data for train_sft.py, pairs for train_dpo.py, found before anything is tokenized: the first record of raw
-    records, or a prepared folder's meta.json; the splits named exist (RL: its prompt files). A mistake is a SystemExit
-    line."""
+    """The data's kind (a first record, or meta.json) is the script's, and its splits exist: checked before anything is
+    tokenized; a mistake is a SystemExit line."""
     try:
         if val_split and not val_data:
             raise SystemExit(f"config error: val_split={val_split!r}; it picks a split of a val_data folder, and "
@@ -46,9 +45,8 @@ def check_kind(data, data_split, val_data, val_split, kind):
 
 
 def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
-    """-> the folder of token files for c["data"]. 'builtin' and records are tokenized into out_dir/data by rank 0 while
-    the others wait; a folder written by data/prepare.py is used as it is. A sequence longer than the model's
-    positions is handled as one longer than max_len (`overlong`), so its line is named."""
+    """-> the folder of token files for c["data"]: a prepared folder as it is, else out_dir/data written by rank 0.
+    max_len is capped at the model's positions, so a sequence too long for them follows `overlong`, its line named."""
     if prepared(c["data"]):
         return c["data"]
     data_dir = os.path.join(out_dir, "data")
@@ -81,9 +79,8 @@ def load_data(data_dir, tok):
 
 
 def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix_sharing=False, context_parallel=1):
-    """Data the model cannot take, found at load time rather than iterations later: a tokenizer larger than the
-    embedding table, a sequence longer than the model's positions, a unit (an example, a pair or group with its shared
-    prompt computed once) longer than one micro-batch (of a CP group's GPUs)."""
+    """Refuse at load time, not iterations later: a tokenizer larger than the embedding table, a sequence longer than
+    the model's positions, a unit (example, pair or group, a shared prompt once) over a micro-batch (of a CP group)."""
     if tok.vocab_size > model_config.vocab_size:
         raise SystemExit(f"the tokenizer has {tok.vocab_size} tokens but the model only {model_config.vocab_size} "
                          f"embeddings; use the model's own tokenizer (--tokenizer=<its folder>)")
@@ -113,10 +110,9 @@ def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix
 
 
 def read_prompts(source, n, tok, limit, split=None, key="data_split"):
-    """RL prompts -> [(prompt token ids, prompt messages, reward fields, where)], the first n (None: all). source:
-    'builtin' (the hard split: val when n is given, else train) or records {"messages"} / {"prompt"} with any other
-    fields for the reward; split: of a folder holding several, set by config key `key`. limit(ids, where) checks a
-    prompt's length."""
+    """RL prompts -> [(prompt ids, prompt messages, reward fields, where)], the first n (None: all). source: 'builtin'
+    (the hard split: val when n is given, else train) or {"messages"} / {"prompt"} records, other fields for the
+    reward; split: a folder's, set by config key `key`. limit(ids, where) checks a prompt's length."""
     if source == "builtin":
         split = "val" if n else "train"
         found = [(p, dict(answer=a), f"builtin:{split}:{i}")

@@ -64,9 +64,8 @@ class DataError(ValueError):
 
 
 def data_files(path, data_split=None, key="data_split"):
-    """A file, a folder of .parquet/.jsonl shards or a glob -> the files to read, in name order (.parquet read as
-    Parquet, anything else as JSONL). A folder's files form splits by name, the shard number dropped:
-    train_prefs-00000-of-00002.parquet is in split train_prefs. key: the setting that names the split, for messages."""
+    """A file, a folder of .parquet/.jsonl shards or a glob -> the files to read, in name order; a folder's split is
+    its file names less the shard number. key: the setting that names the split, for messages."""
     if os.path.isdir(path):
         files = sorted(glob.glob(os.path.join(path, "*.parquet")) + glob.glob(os.path.join(path, "*.jsonl")))
     else:
@@ -120,8 +119,7 @@ def read_jsonl(path):
 
 
 def read_parquet(path):
-    """Yield (where, record, fraction of the file read) per row, where = 'path:row N'. Memory holds one row
-    group in Arrow and 1024 rows as Python dicts, whatever the file's size."""
+    """Yield (where, record, fraction of the file read) per row, where = 'path:row N'; memory: one row group."""
     try:
         import pyarrow
         import pyarrow.parquet as pq
@@ -144,8 +142,7 @@ def read_parquet(path):
 
 
 def read_records(files, verbose=True):
-    """Yield (where, record) from each file in turn; with verbose, a progress line to stderr every 10 s, a total at the
-    end."""
+    """Yield (where, record) from each file in turn; verbose: progress to stderr every 10 s, a total at the end."""
     sizes = [os.path.getsize(f) for f in files]
     t0, shown, rows = time.time(), time.time(), 0
     for i, path in enumerate(files):
@@ -276,11 +273,9 @@ def parse(record, where):
                     f"{sorted(record)} — see the formats at the top of data/prepare.py")
 
 
-def tokenize(tok, kind, example, where, max_len, overlong, inputs=None, reasoning_turns="conversation"):
-    """-> (sequences, status): sequences is [(ids, mask)] (SFT: one, or with reasoning_turns='each' one per turn
-    rendered otherwise in the history) or [chosen, rejected] (DPO), or None when skipped; status is "ok",
-    "truncated" or "skipped". inputs: template_inputs'."""
-    inputs = inputs or {}
+def tokenize(tok, kind, example, where, max_len, overlong, inputs, reasoning_turns):
+    """-> (sequences, status): sequences [(ids, mask)] (SFT: one, or one per turn with reasoning_turns='each'; DPO:
+    chosen, rejected), [] when skipped; status "ok", "truncated" or "skipped". inputs: template_inputs'."""
     try:
         seqs = (list(tok.render_pair(*example, **inputs)) if kind == "dpo" else tok.render_turns(example, **inputs)
                 if reasoning_turns == "each" else [tok.render(example, **inputs)])
@@ -294,11 +289,11 @@ def tokenize(tok, kind, example, where, max_len, overlong, inputs=None, reasonin
         raise DataError(f"{where}: {what} is {longest} tokens, more than max_len={max_len} — raise "
                         f"--max_len, or pass --overlong truncate (keep the first max_len tokens) or skip")
     if overlong == "skip":
-        return None, "skipped"
+        return [], "skipped"
     seqs = [(ids[:max_len], mask[:max_len]) for ids, mask in seqs]
     seqs = [s for s in seqs if sum(s[1])] if kind == "sft" else seqs  # reasoning_turns='each': keep what trains
     if not seqs or any(sum(mask) == 0 for _, mask in seqs) or (kind == "dpo" and seqs[0] == seqs[1]):
-        return None, "skipped"  # truncation left nothing to learn or nothing to compare
+        return [], "skipped"  # truncation left nothing to learn or nothing to compare
     return seqs, "truncated"
 
 
@@ -348,8 +343,7 @@ class TokenWriter:
 
 def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra_meta=None, verbose=True,
                       reasoning_turns="conversation"):
-    """items: iterable of (where, split, record) -> token files + meta.json in out_dir; returns meta
-    (extra_meta included). meta.json is written last: its presence means the files are complete."""
+    """(where, split, record) items -> token files and meta.json (written last: the files are complete) in out_dir."""
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         os.remove(os.path.join(out_dir, "meta.json"))
@@ -369,11 +363,11 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
             seqs, status = tokenize(tok, kind, example, where, max_len, overlong, template_inputs(record, where),
                                     reasoning_turns)
             status_counts[status] += 1
-            turn_examples += max(len(seqs or []) - 1, 0) * (kind == "sft")
-            for ids, mask in seqs or []:
+            turn_examples += max(len(seqs) - 1, 0) * (kind == "sft")
+            for ids, mask in seqs:
                 writers[split].add(ids, mask)
                 lengths.append(len(ids))
-            longest_example = max(longest_example, sum(len(ids) for ids, _ in seqs or []))
+            longest_example = max(longest_example, sum(len(ids) for ids, _ in seqs))
         counts = {split: w.close() for split, w in writers.items()}
     except BaseException:
         for w in writers.values():
@@ -382,9 +376,8 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
     if kind is None:
         source = (extra_meta or {}).get("source", out_dir)
         raise DataError(f"{source}: no examples found — is the file empty?")
-    per_example = 2 if kind == "dpo" else 1
     for c in counts.values():
-        c["examples"] = c["sequences"] // per_example  # DPO: pairs
+        c["examples"] = c["sequences"] // (2 if kind == "dpo" else 1)  # DPO: pairs
     q = np.percentile(lengths, [0, 50, 99, 100]).round().astype(int).tolist() if lengths else [0] * 4
     meta = dict(kind=kind, tokenizer=tok.name, template=tok.template_id, vocab_size=tok.vocab_size,
                 bos_id=tok.bos_id, eos_id=tok.eos_id, dtype=np.dtype(writers["train"].dtype).name,
@@ -414,9 +407,8 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
 def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error", val_fraction=0.01,
             seed=1337, verbose=True, data_split=None, val_input=None, val_split=None, reasoning_turns="conversation",
             **chat):
-    """Records (see data_files) -> token files in out_dir; returns meta. tokenizer: a Tokenizer, "byte" or a
-    folder. val_input: records for the val split (val_split: its split), instead of holding out val_fraction. chat:
-    Tokenizer.configure_chat's settings (chat_template_kwargs, escape_special_text), in place of the tokenizer's."""
+    """Records (see data_files) -> token files in out_dir; returns meta. tokenizer: a Tokenizer, "byte" or a folder.
+    val_input: the val split's records, in place of val_fraction. chat: Tokenizer.configure_chat's settings."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1): the share of records held out for val")
     if val_split is not None and val_input is None:
@@ -441,8 +433,7 @@ def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error
 
 
 def peek_kind(path, data_split=None):
-    """-> (kind, where): "sft" or "dpo" from the first record of `path` (as prepare takes it) and where that
-    record is ('file:line' or 'file:row N'). Reads and checks that one record; tokenizes nothing."""
+    """-> (kind, where): "sft" or "dpo" from the first record of `path`, checked but not tokenized, and where it is."""
     for where, record in read_records(data_files(path, data_split), verbose=False):
         return parse(record, where)[0], where
     raise DataError(f"{path}: no examples found — is the file empty?")
