@@ -450,10 +450,9 @@ def read_meta(data_dir):
 
 def load(data_dir, split):
     """-> (data, meta): data = {"ids", "offsets", "loss_mask"} as read-only memory maps, the dict packing.py takes."""
-    meta = read_meta(data_dir)
-    data = {key: np.load(os.path.join(data_dir, f"{split}_{name}.npy"), mmap_mode="r")
-            for key, name in (("ids", "ids"), ("offsets", "offsets"), ("loss_mask", "mask"))}
-    return data, meta
+    meta = read_meta(data_dir)  # first: a folder without it is not complete
+    return {key: np.load(os.path.join(data_dir, f"{split}_{name}.npy"), mmap_mode="r")
+            for key, name in (("ids", "ids"), ("offsets", "offsets"), ("loss_mask", "mask"))}, meta
 
 
 if __name__ == "__main__":
