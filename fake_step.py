@@ -137,7 +137,9 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     """Run `script` with `args` for two steps as rank 0 of `gpus` -> dict of the second step's peak memory by category
     (bytes), its phase, tokens and FLOPs on this rank. fake=False: real tensors (gpus > 1: each rank of a torchrun gloo
     group), what the tests compare the plan against."""
-    out_dir, keys = tempfile.mkdtemp(prefix="plan-"), script_keys(script)
+    with open(script) as f:  # the script's config keys: the names its top level assigns (`name = default`)
+        keys = set(re.findall(r"^(\w+) = ", f.read(), re.M))
+    out_dir = tempfile.mkdtemp(prefix="plan-")
     script_args = [script, *args] + [a for a in (
         f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000", "--eval_interval=0",
         "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu",
@@ -326,12 +328,6 @@ class Decoding:
 
     def cache_bytes(self):
         return sum(t.untyped_storage().nbytes() for t in self.cache.k + self.cache.v) if self.cache else 0
-
-
-def script_keys(script):
-    """The config keys a script defines: the names its top level assigns (`name = default`)."""
-    with open(script) as f:
-        return set(re.findall(r"^(\w+) = ", f.read(), re.M))
 
 
 def distinct_reward(messages, reply, **fields):
