@@ -1,29 +1,24 @@
 """
 A training script's own step on fake tensors, and the memory it holds: what plan.py reports. plan_step runs the script
-unchanged (runpy) as rank 0 of a fake process group of `gpus` ranks, its model and optimizer built under
-FakeTensorMode: parameters, gradients, optimizer state and activations have shapes and sizes but no storage, so an 8B
-model plans on a laptop with no weights. Two optimizer steps run; the second, with the optimizer state allocated, is
-measured by torch's MemTracker (FSDPMemTracker under FSDP2), which sees every tensor the step allocates.
+unchanged (runpy) as rank 0 of a fake process group of `gpus` ranks under FakeTensorMode: parameters, gradients,
+optimizer state and activations have sizes but no storage, so an 8B model plans on a laptop with no weights. Two
+optimizer steps run; the second, its optimizer state allocated, is measured by torch's MemTracker (FSDPMemTracker
+under FSDP2), which sees every tensor the step allocates.
 
-Swapped, because they mean nothing on fake tensors: reading weights (a model folder's config.json, or a preset at its
-own vocabulary, is enough), the checks of weight and loss values, checkpoints and exports (the plan stops before
-them), a cached DPO reference (zeros stand for log-probs computed before training), and a value read from a fake
-tensor (.item() and .tolist() read 1s: a loss to print, AdamW's step count). Data that is not a file or folder on this
-machine ('builtin' too) is the worst case: every micro-batch filled to microbatch_tokens with sequences of
-min(max_len, context_parallel x microbatch_tokens / group) tokens (no shared prompt for DPO pairs); data on disk is the
-run's own first two steps. A rank's micro-batches are cut to its first two (the largest), standing for its alike rest.
-RL's worst case: every prompt as long as the data's longest (or, not on this machine, as long as a group may be), every
-reply max_new_tokens long (stop tokens ignored), every group trained (distinct_reward: no two replies rewarded alike);
-generation is its own phase, the KV cache of every reply of the rank its own category, and its decode steps between
-the first and the last skip the model (Decoding).
+Swapped, meaning nothing on fake tensors: reading weights (config.json or a preset at its own vocabulary suffice),
+checks of weight and loss values, checkpoints and exports (the plan stops before them), a cached DPO reference (zeros
+stand for it), a value read from a fake tensor (.item() and .tolist() read 1s). Data not on this machine ('builtin'
+too) is the worst case: every micro-batch filled with sequences of min(max_len, context_parallel x microbatch_tokens /
+group) tokens (no shared DPO prompt); data on disk is the run's own first two steps. A rank's micro-batches are cut to
+its first two (the largest), standing for its alike rest. RL's worst case: every prompt the data's longest (or, not on
+this machine, as long as a group may be), every reply max_new_tokens long, every group trained (distinct_reward);
+generation is its own phase, the rank's KV cache its own category, its middle decode steps skip the model (Decoding).
 
-What it cannot see: this torch is a CPU build, so a GPU run is planned on CPU fake tensors with the GPU's precision
-(bfloat16 compute; FSDP2's float32 shards) and the CUDA varlen kernel's attention memory (CudaAttention: output and
-log-sum-exp, no L x L scores or masks); device='cpu' plans the CPU's own attention. Kernel workspaces (cuBLAS, compiled
-code) are not seen; nor is a tensor a kernel allocates inside itself. DDP's reducer runs no fake tensors: a DDP rank
-is planned unwrapped, its share of the batch, which is what it holds (its all-reduce buckets are its gradients:
-gradient_as_bucket_view). Not planned: a fake CUDA device (the CUDA branches of the code); RL's decode attention is
-planned as the CPU's SDPA holds it (scores over the cached keys).
+Not seen: a GPU run is planned on CPU fake tensors at the GPU's precision (bfloat16 compute, FSDP2's float32 shards)
+with the CUDA varlen kernel's attention memory (CudaAttention); device='cpu' plans the CPU's own attention. Kernel
+workspaces (cuBLAS, compiled code) and tensors a kernel allocates inside itself are not seen. DDP's reducer runs no fake
+tensors: a DDP rank is planned unwrapped with its share of the batch (its buckets are its gradients:
+gradient_as_bucket_view). RL's decode attention is planned as the CPU's SDPA holds it (scores over the cached keys).
 """
 import itertools
 import os
@@ -53,6 +48,7 @@ import packing
 import reference
 from data import dataset
 from hf import read_hf_config
+from metrics import Throughput
 from model import PRESETS, Transformer, config_from_preset
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "collectives", "reference",
@@ -63,10 +59,11 @@ TRACKER = {"Parameter": "parameters", "Buffer": "parameters", "Sharded Param": "
            "Sharded Grad": "gradients", "Optstate": "optimizer", "OptState": "optimizer", "Activation": "activations",
            "Inputs": "activations", "Temp": "temporaries", "Other": "temporaries", "Unsharded Param": "collectives",
            "Unsharded Grad": "collectives", "All Gather": "collectives", "Reduce Scatter": "collectives"}
-# Memory no tensor holds, on a GPU: the CUDA context with PyTorch's kernels loaded and NCCL's communicators and
-# buffers (taken as 1 GiB together), and the caching allocator's fragmentation and cached blocks (reserved over
-# allocated, taken as 8% of the tensors' peak). Assumed orders of magnitude, not measured: no GPU was at hand when
-# this was written; a measurement on the GPU that will run the job should replace them.
+# what the patches below fall back to
+REAL_ITEM, REAL_TOLIST, REAL_TO = torch.Tensor.item, torch.Tensor.tolist, torch.nn.Module.to
+REAL_SAMPLE, REAL_MAKE_BATCH = generation.sample, packing.make_batch
+NO_HOOKS = torch.utils.hooks.OrderedDict()
+REWARDS = itertools.count()
 
 
 class Done(Exception):
@@ -83,8 +80,8 @@ class PhaseTracker:
         self.phase = "forward"
         self.decoding, self.kv_cache = None, 0  # RL's generation (Decoding) while it runs; its KV cache at the peak
 
-        def update_peak_stats(state):  # the tracker's global peak, and its phase; not its per-module peaks, which
-            # plan.py does not read (their loop over every module at every op was 80% of an 8B LoRA plan's time)
+        def update_peak_stats(state):  # the global peak and its phase only: the per-module peaks, unread, were 80% of
+            # an 8B LoRA plan's time (a loop over every module at every op)
             for device, snap in self.tracker._curr_mem_snap.items():
                 if self.tracker._peak_mem.get(device, 0) < snap["Total"]:
                     self.tracker._peak_mem[device], self.tracker._peak_mem_snap[device] = snap["Total"], dict(snap)
@@ -93,11 +90,9 @@ class PhaseTracker:
                     self.kv_cache = self.decoding.cache_bytes() if self.decoding else 0
         self.tracker._update_peak_stats = update_peak_stats
 
-        def new_forward(module, inputs):  # each micro-batch's forward starts the tracker's module stats anew (it
-            # takes a second one for a second step), as does generation's; a no-grad forward (adapters_off's
-            # reference) is not one
-            if module is model and not self.tracker._mod_tracker.is_bw and (torch.is_grad_enabled() or
-                                                                          self.decoding):
+        def new_forward(module, inputs):  # a training or generation forward starts the module stats anew (the second
+            # step's too); a no-grad forward (adapters_off's reference) does not
+            if module is model and not self.tracker._mod_tracker.is_bw and (torch.is_grad_enabled() or self.decoding):
                 self.tracker.reset_mod_stats()
         self.hook = torch.nn.modules.module.register_module_forward_pre_hook(new_forward)  # before the tracker's
         policy = {id(m) for m in model.modules()}  # a no-grad forward of the policy's modules (adapters_off's
@@ -126,10 +121,9 @@ class PhaseTracker:
 
 
 def worst_case_data(c, group_size, max_seq_len, gpus):
-    """Token data of one step's units (SFT examples, DPO pairs), each sequence min(max_len, context_parallel x
-    microbatch_tokens / group, max_seq_len) tokens, all trained; a pair's chosen and rejected differ from their first
-    token (nothing shared). Its micro-batches are all alike, so a rank's third and later hold what its second does:
-    c["batch_size"] is cut to two micro-batches a rank (a plan's time grows with them) -> (data, the cut's factor)."""
+    """Token data of one step's units (SFT examples, DPO pairs: chosen and rejected differ from their first token),
+    every sequence as long as allowed, all trained; c["batch_size"] cut to two micro-batches a rank, since later ones
+    hold what the second does (a plan's time grows with them) -> (data, the cut's factor)."""
     n = max(1, min(c["max_len"], c["microbatch_tokens"] * c["context_parallel"] // group_size, max_seq_len))
     per_microbatch = max(1, c["microbatch_tokens"] * c["context_parallel"] // (n * group_size))
     units = min(c["batch_size"], 2 * per_microbatch * (gpus // c["context_parallel"]))
@@ -140,10 +134,12 @@ def worst_case_data(c, group_size, max_seq_len, gpus):
 
 
 def plan_step(script, args, gpus=1, device="cuda", fake=True):
-    """Run `script` with `args` for two steps as rank 0 of `gpus` -> dict of the second step's peak memory by
-    category (bytes), its phase, tokens and FLOPs on this rank. fake=False: the same, with real tensors (gpus > 1:
-    each rank of a torchrun gloo group) -- what the tests compare the plan against."""
-    out_dir, keys = tempfile.mkdtemp(prefix="plan-"), script_keys(script)
+    """Run `script` with `args` for two steps as rank 0 of `gpus` -> dict of the second step's peak memory by category
+    (bytes), its phase, tokens and FLOPs on this rank. fake=False: real tensors (gpus > 1: each rank of a torchrun gloo
+    group), what the tests compare the plan against."""
+    with open(script) as f:  # the script's config keys: the names its top level assigns (`name = default`)
+        keys = set(re.findall(r"^(\w+) = ", f.read(), re.M))
+    out_dir = tempfile.mkdtemp(prefix="plan-")
     script_args = [script, *args] + [a for a in (
         f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000", "--eval_interval=0",
         "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu",
@@ -160,7 +156,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         return dist.get_rank() if gpus > 1 else 0, gpus, torch.device("cpu")
 
     def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
-        state["config"], state["kind"], state["max_seq_len"] = c, kind, max_seq_len
+        state["kind"], state["max_seq_len"] = kind, max_seq_len
         return real["prepare_data"](c, out_dir, tok, kind, max_seq_len, builtin_sizes) if on_disk(c["data"]) else None
 
     def load_data(data_dir, tok):
@@ -188,7 +184,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             return init_device_mesh("cpu", (gpus,))
 
     def setup(config, kind, builtin_sizes=None):
-        state["config"], state["run"] = config, real["setup"](config, kind, builtin_sizes)
+        state["config"] = config  # what load_data and read_prompts read
+        state["run"] = real["setup"](config, kind, builtin_sizes)
         return state["run"]
 
     def read_prompts(source, n, tok, limit, *args):  # RL: every prompt as long as the data's longest, or (the data
@@ -234,53 +231,51 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         if state["steps"] == 2:
             state["tokens"], state["flops"] = meter.tokens - tokens, meter.flops - flops
 
+    def reference_model(cls, mode, run):  # a live reference's frozen copy: its parameters are its own category
+        ref = real["of_model"](cls, mode, run)
+        state["reference"] = ref.model if mode == "live" else None
+        return ref
+
+    def reference_build(cls, mode, *a, **k):  # cached log-probs are computed before training, never seen by the step
+        return real["build"](cls, "none" if mode == "cached" and fake else mode, *a, **k)
+
     real = dict(check_kind=common.check_kind, prepare_data=common.prepare_data, load_data=common.load_data,
-                build_model=common.build_model, wrap_model=common.wrap_model,
-                setup=common.setup, set_lr=common.set_lr, count=__import__("metrics").Throughput.count,
-                read_prompts=dataset.read_prompts, generate=generation.generate, rank_bins=packing.rank_bins)
+                build_model=common.build_model, wrap_model=common.wrap_model, setup=common.setup, set_lr=common.set_lr,
+                count=Throughput.count, read_prompts=dataset.read_prompts, generate=generation.generate,
+                rank_bins=packing.rank_bins, of_model=reference.Reference.of_model.__func__,
+                build=reference.Reference.build.__func__)
+    patches = [(common, name, new) for name, new in [
+        ("setup_distributed", setup_distributed), ("prepare_data", prepare_data), ("load_data", load_data),
+        ("initial_config", initial_config), ("build_model", build_model), ("wrap_model", wrap_model), ("setup", setup),
+        ("set_lr", set_lr), ("refuse_non_finite", lambda *a: None),
+        ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
+        ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
+        ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]]
+    patches += [(dataset, "read_prompts", read_prompts), (generation, "generate", generate),
+                (generation, "packed", on_host(generation.packed)), (packing, "rank_bins", rank_bins),
+                (fully_shard_module, "_init_default_mesh", default_mesh),
+                (common.StepGuard, "check", lambda self, *a: (True, False)),
+                # a plan has no step to finish: Ctrl-C and SIGTERM stop it at once, not after a step and a checkpoint
+                (common.StopSignal, "__init__", lambda self: setattr(self, "name", None)), (Throughput, "count", count),
+                (context.ContextParallel, "split", on_host(context.ContextParallel.split)),
+                (torch.Tensor, "item", fake_item),  # a printed loss, an evaluation
+                (torch.Tensor, "tolist", fake_tolist), (FakeTensor, "tolist", fake_tolist),  # FakeTensor has its own
+                (reference, "build_model", build_model),  # a live reference's copy
+                (reference.Reference, "of_model", classmethod(reference_model)),
+                (reference.Reference, "build", classmethod(reference_build))]
+    patches += [(torch.Tensor, name, frozen_hook(getattr(torch.Tensor, name)))
+                for name in ("register_hook", "register_post_accumulate_grad_hook")]
+    patches += [(module, "make_batch", on_host(REAL_MAKE_BATCH))
+                for module in list(sys.modules.values()) if getattr(module, "make_batch", None) is REAL_MAKE_BATCH]
     env = dict(WORLD_SIZE=str(gpus), RANK="0", LOCAL_RANK="0") if fake else {}
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     with ExitStack() as stack:
-        for name, new in [("setup_distributed", setup_distributed), ("prepare_data", prepare_data),
-                          ("load_data", load_data), ("initial_config", initial_config), ("build_model", build_model),
-                          ("wrap_model", wrap_model), ("setup", setup), ("set_lr", set_lr),
-                          ("refuse_non_finite", lambda *a: None),
-                          ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
-                          ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
-                          ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]:
-            stack.enter_context(mock.patch.object(common, name, new))
-        for module, name, new in [(dataset, "read_prompts", read_prompts), (generation, "generate", generate),
-                                  (generation, "packed", on_host(generation.packed)), (packing, "rank_bins", rank_bins),
-                                  (fully_shard_module, "_init_default_mesh", default_mesh)]:
-            stack.enter_context(mock.patch.object(module, name, new))
-        stack.enter_context(mock.patch.object(common.StepGuard, "check", lambda self, *a: (True, False)))
-        # a plan has no step to finish: Ctrl-C and SIGTERM stop it at once, not "after this step with a checkpoint"
-        stack.enter_context(mock.patch.object(common.StopSignal, "__init__", lambda self: setattr(self, "name", None)))
-        stack.enter_context(mock.patch.object(__import__("metrics").Throughput, "count", count))
+        for target, name, new in patches:
+            stack.enter_context(mock.patch.object(target, name, new))
         stack.enter_context(mock.patch.dict(os.environ, env))
         stack.enter_context(mock.patch.object(sys, "argv", script_args))
-        for module in [m for m in list(sys.modules.values()) if getattr(m, "make_batch", None) is REAL_MAKE_BATCH]:
-            stack.enter_context(mock.patch.object(module, "make_batch", on_host(REAL_MAKE_BATCH)))
-        stack.enter_context(mock.patch.object(context.ContextParallel, "split", on_host(context.ContextParallel.split)))
         if device == "cuda" and fake:  # the CUDA kernel's memory, not the CPU fallback's
             stack.enter_context(mock.patch("model.varlen_attention", cuda_attention))
-        stack.enter_context(mock.patch.object(torch.Tensor, "item", fake_item))  # a printed loss, an evaluation
-        stack.enter_context(mock.patch.object(torch.Tensor, "tolist", fake_tolist))
-        stack.enter_context(mock.patch.object(FakeTensor, "tolist", fake_tolist))  # its own: an item() a value
-        for name in ("register_hook", "register_post_accumulate_grad_hook"):
-            stack.enter_context(mock.patch.object(torch.Tensor, name, frozen_hook(getattr(torch.Tensor, name))))
-        stack.enter_context(mock.patch.object(reference, "build_model", build_model))  # a live reference's copy
-        of_model = reference.Reference.of_model.__func__
-
-        def reference_model(cls, mode, run):  # a live reference's frozen copy: its parameters are its own category
-            ref = of_model(cls, mode, run)
-            state["reference"] = ref.model if mode == "live" else None
-            return ref
-        stack.enter_context(mock.patch.object(reference.Reference, "of_model", classmethod(reference_model)))
-        if fake:  # cached log-probs are computed before training and never seen by the step: zeros stand for them
-            build = reference.Reference.build.__func__
-            stack.enter_context(mock.patch.object(reference.Reference, "build", classmethod(
-                lambda cls, mode, *a, **k: build(cls, "none" if mode == "cached" else mode, *a, **k))))
         try:
             with fake_mode or nullcontext():
                 runpy.run_path(script, run_name="__main__")
@@ -308,10 +303,9 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
 
 
 class Decoding:
-    """The policy while a plan generates: every reply runs to max_new_tokens (no stop), so decode steps differ only in
-    how many keys they read: the prefill, the first decode step and the last (the longest keys: the largest
-    temporaries) run the model and draw; between them a step's logits are made, its forward and draw skipped (an 8B
-    decode step is ~0.5 s of planning; the KV cache, made at the prefill, is the same size throughout)."""
+    """The policy while a plan generates: every reply runs to max_new_tokens, so decode steps differ only in how many
+    keys they read. The prefill, the first decode step and the last (the longest keys: the largest temporaries) run the
+    model; between them only logits are made (an 8B decode step is ~0.5 s of planning; the KV cache is made once)."""
 
     def __init__(self, model, steps):
         self.model, self.config, self.steps, self.calls, self.cache = model, model.config, steps, 0, None
@@ -336,21 +330,9 @@ class Decoding:
         return sum(t.untyped_storage().nbytes() for t in self.cache.k + self.cache.v) if self.cache else 0
 
 
-REAL_SAMPLE = generation.sample
-
-
-def script_keys(script):
-    """The config keys a script defines: the names its top level assigns (`name = default`)."""
-    with open(script) as f:
-        return set(re.findall(r"^(\w+) = ", f.read(), re.M))
-
-
 def distinct_reward(messages, reply, **fields):
     """RL's reward in a plan: a new value for every reply, so that every group is trained (the worst case)."""
     return float(next(REWARDS))
-
-
-REWARDS = itertools.count()
 
 
 def fake_item(t):
@@ -363,23 +345,16 @@ def fake_tolist(t):
         if isinstance(t, FakeTensor) else REAL_TOLIST(t)
 
 
-REAL_ITEM, REAL_TOLIST = torch.Tensor.item, torch.Tensor.tolist
-
-
 def frozen_hook(register):
-    """Tensor.register_hook (or its post-accumulate kin), a no-op on a frozen tensor (no gradient will come): the
-    tracker hooks every parameter of a module, a LoRA base's and a live reference's too."""
+    """Tensor.register_hook (or its post-accumulate kin), a no-op on a frozen tensor: the tracker hooks every
+    parameter of a module, a LoRA base's and a live reference's too, and no gradient will come."""
     return lambda t, hook: register(t, hook) if t.requires_grad else torch.utils.hooks.RemovableHandle(NO_HOOKS)
 
 
-NO_HOOKS = torch.utils.hooks.OrderedDict()
-
-
 class CudaAttention(torch.autograd.Function):
-    """What a CUDA varlen kernel (flash-attn, torch's varlen_attn) holds, in place of the CPU's attention in a plan of a
-    GPU run: its output, and for backward q, k, v (GQA in the kernel), the output and a float32 log-sum-exp per
-    query and head; no L x L scores or masks (the CPU path builds a boolean mask per query piece over longer keys:
-    a DPO shared prompt, a CP slice). Nothing is computed: under FakeTensorMode only sizes exist."""
+    """What a CUDA varlen kernel (flash-attn, torch's varlen_attn) holds in a plan of a GPU run: its output, and for
+    backward q, k, v, the output and a float32 log-sum-exp per query and head; no L x L scores or masks (the CPU path
+    builds a boolean mask per query piece: a DPO shared prompt, a CP slice). Under FakeTensorMode only sizes exist."""
 
     @staticmethod
     def forward(ctx, q, k, v):
@@ -398,15 +373,11 @@ def cuda_attention(q, k, v, *args, **kwargs):
 
 
 def on_host(fn):
-    """fn, its tensors real even under FakeTensorMode: packing.make_batch and a CP rank's slice of it (context.split),
-    whose boundaries and targets the model reads on the host."""
+    """fn with real tensors under FakeTensorMode: make_batch and context.split, whose boundaries the model reads."""
     def unfaked(*args, **kwargs):
         with unset_fake_temporarily():
             return fn(*args, **kwargs)
     return unfaked
-
-
-REAL_MAKE_BATCH = packing.make_batch
 
 
 def module_to(module, *args, **kwargs):
@@ -415,9 +386,6 @@ def module_to(module, *args, **kwargs):
     if dtype is None and all(device is None or t.device == device for t in module.parameters()):
         return module
     return REAL_TO(module, *args, **kwargs)
-
-
-REAL_TO = torch.nn.Module.to
 
 
 def on_disk(data):

@@ -21,10 +21,9 @@ from contextlib import redirect_stdout
 from fake_step import plan_step
 
 GIB = 2 ** 30
-# Memory no tensor holds, on a GPU: the CUDA context with PyTorch's kernels loaded and NCCL's communicators and
-# buffers (taken as 1 GiB together), and the caching allocator's fragmentation and cached blocks (reserved over
-# allocated, taken as 8% of the tensors' peak; one H100 run measured 6.1%: bench/RESULTS.md). Orders of magnitude: a
-# measurement on the GPU that will run the job should replace them.
+# Memory no tensor holds, on a GPU: the CUDA context with its kernels and NCCL's communicators and buffers (1 GiB
+# together), and the caching allocator's fragmentation and cached blocks (8% of the tensors' peak; one H100 run
+# measured 6.1%: bench/RESULTS.md). Orders of magnitude: measure on the GPU that will run the job to replace them.
 ALLOWANCE_GIB, FRAGMENTATION = 1.0, 0.08
 PLAN_KEYS = dict(gpus=1, gpu_memory=80.0, json="", device="cuda")
 
@@ -42,11 +41,10 @@ def figures(script, args, gpus, gpu_memory, device):
 
 
 def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=256):
-    """The largest multiple of `step` tokens whose plan fits (0: none). The peak grows about linearly with the budget
-    (activations), so the line through the last two plans guesses where it crosses gpu_memory; each guess is planned
-    and narrows [fits, does not fit] until it is one step wide: 3-5 plans on a line, as many as bisection on a
-    staircase (a micro-batch holds whole sequences). Twice the budget at the same peak is the step's whole share of a
-    rank: larger budgets change nothing, and the search stops there (returning the smaller)."""
+    """The largest multiple of `step` tokens whose plan fits (0: none). The peak grows about linearly with the budget,
+    so the line through the last two plans guesses where it crosses gpu_memory; each guess narrows [fits, does not fit]
+    to one step: 3-5 plans on a line, bisection's count on a staircase (whole sequences a micro-batch). Twice the
+    budget at the same peak is a rank's whole step: larger budgets change nothing; the search stops (the smaller)."""
     def plan_at(n):
         progress(f"plan: microbatch_tokens={n * step:,}?")
         f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device)

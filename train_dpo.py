@@ -34,8 +34,7 @@ init_from = "out/sft/hf"  # the model `python train_sft.py` leaves; any Hugging 
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
 chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
-data = "builtin"  # 'builtin' (arithmetic preference pairs), records or a prepared folder:
-#   .jsonl, .parquet, a folder of shards, a glob (see data/prepare.py), or the folder it writes
+data = "builtin"  # 'builtin' (arithmetic pairs), records (.jsonl, .parquet, shards, glob) or data/prepare.py's folder
 data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
 val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')
@@ -81,9 +80,8 @@ dist_timeout = 300
 wandb_log = False
 wandb_project = "nanopack"
 wandb_run_name = "dpo"
-# Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
-# the Zephyr and Tulu DPO recipes train 7-8B models with lr 5e-7 and beta 0.1; the toy values above (lr 2e-4,
-# beta 2) drive a real model to loss 0 and silence within a few steps
+# A pretrained init_from gets these for keys not set: Zephyr's and Tulu's DPO of 7-8B models (lr 5e-7, beta 0.1);
+# the toy values above (lr 2e-4, beta 2) drive a real model to loss 0 and silence within a few steps
 config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0), rules=dict(
     common.RULES, loss_type=LOSS_TYPES, reference=("auto", "cached", "live", "adapters_off"), beta="(0, inf)",
     label_smoothing="[0, 0.5)", sft_weight="[0, inf)"))
@@ -119,10 +117,10 @@ chosen_targets = target_counts(run.train_data).reshape(-1, 2)[:, 0]  # step norm
 
 
 def microbatch_loss(mb, num_pairs, num_chosen_targets):
-    """-> (this micro-batch's share of the step loss, to backpropagate: its pairs' summed losses / the step's global
-    number of pairs (+ sft_weight * its chosen responses' NLL / the step's global chosen target tokens), times
-    world_size because DDP and FSDP average gradients over ranks and we want their sum; its pair_stats, for the log).
-    Under CP a group's ranks compute the same loss from sums added over the group, each backward its own tokens'."""
+    """-> (its share of the step loss, to backpropagate: its pairs' summed losses / the step's global pairs (+
+    sft_weight x its chosen NLL / the step's chosen target tokens), times world_size as DDP and FSDP average gradients
+    over ranks; its pair_stats, for the log). A CP group's ranks compute one loss from the group's sums, each backward
+    its own tokens'."""
     with run.autocast:
         logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
     pc, pr = mb.pair_sums(logps)  # (P,) each: one index_add_ over sequence ids
@@ -138,8 +136,7 @@ def microbatch_loss(mb, num_pairs, num_chosen_targets):
 
 @torch.no_grad()
 def evaluate():
-    """Val preference loss, reward accuracy and margin over the whole val split, and exact-match accuracy on
-    the built-in task; printed and logged."""
+    """Val preference loss, reward accuracy and margin; built-in task: exact-match accuracy; printed and logged."""
     out = {}
     if len(targets_val):
         policy = split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix, cp=run.cp)
@@ -211,15 +208,14 @@ while iter_num < max_iters:
             step_stats[k] += stats[k]
     grad_norm = common.clip_grad_norm(model, grad_clip)
     update, stopping = run.guard.check(step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
-    if update:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    iter_num += 1
     if update:  # a skipped step's statistics are NaN or infinite: counted in skipped_steps, not averaged in
+        optimizer.step()
         for k in STATS:  # a CP group's ranks hold the same pairs' statistics: its first rank counts them
             stats_acc[k] += step_stats[k] * (run.cp.rank == 0)
         pairs_window += step.num_groups
         chosen_targets_window += num_chosen_targets
+    optimizer.zero_grad(set_to_none=True)
+    iter_num += 1
 
     last = iter_num == max_iters
     if iter_num % log_interval == 0 or last or stopping:  # a stop logs its partial window: no step goes unlogged

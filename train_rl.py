@@ -6,17 +6,15 @@ prompts, loop (sample -> reward -> loss -> step), log, save.
     python train_rl.py --init_from=/models/Qwen2.5-0.5B-Instruct --data=prompts.jsonl --reward=my_rewards:exact
     torchrun --nproc_per_node=8 train_rl.py --init_from=... --data=... --reward=... --loss=online_dpo
 
-Each step samples k replies to each of `prompts_per_step` prompts (all ranks together, each rank its share) with the
-KV cache, every prompt prefilled once, scores them with `reward`, and trains on them with each prompt computed once
-for its whole group: prompt | reply 1 | ... | reply k, every reply attending to the prompt through the key stream.
-loss='grpo': each reply's group-normalised advantage on each of its tokens, over the step's reply tokens, PPO's
-clipped ratio when a batch makes more than one update, and kl_coef times a KL estimate to the initial model;
-'online_dpo': each group's best and worst reply become a DPO pair (losses.py), the reference computed on the fly.
-Replies are drawn from generators seeded by (seed, step, prompt, reply): a step's samples do not depend on the world
-size, and a resumed run draws what the straight run drew.
-Data: the built-in task's hard split, or records {"messages": [prompt turns]} or {"prompt": str | [messages]} (JSONL,
-Parquet, a folder or a glob, as data/prepare.py reads them); the record's other fields go to the reward function:
-reward(prompt messages, reply text, **fields) -> float, named 'module:function' (e.g. a my_rewards.py beside you).
+Each step samples k replies to each of `prompts_per_step` prompts (all ranks together) with the KV cache, every
+prompt prefilled once, scores them with `reward`, and trains on them with each prompt computed once for its group:
+prompt | reply 1 | ... | reply k. loss='grpo': each reply's group-normalised advantage on each of its tokens, over the
+step's reply tokens, PPO's clipped ratio when a batch makes more than one update, and kl_coef x a KL estimate to the
+initial model; 'online_dpo': each group's best and worst reply become a DPO pair, the reference computed on the fly.
+Replies are drawn from generators seeded by (seed, step, prompt, reply): a step's samples depend neither on the world
+size nor on a resume. Data: the built-in task's hard split, or records {"messages": [prompt turns]} or {"prompt": str
+| [messages]} (read as data/prepare.py reads them); the record's other fields go to the reward function, named
+'module:function': reward(prompt messages, reply text, **fields) -> float (e.g. in a my_rewards.py beside you).
 """
 
 import importlib
@@ -149,8 +147,7 @@ def permutation(epoch):
 
 
 def score(prompts, replies, num_samples):
-    """Rewards (len(prompts) * num_samples,) of decoded replies; a reward function that raises or gives a non-number
-    stops the run in one line naming it and the prompt."""
+    """Rewards (len(prompts) * num_samples,) of decoded replies; a failing reward function stops the run in one line."""
     out = []
     for i, reply in enumerate(replies):
         _, messages, fields, where = prompts[i // num_samples]
@@ -168,8 +165,7 @@ def score(prompts, replies, num_samples):
 
 
 def sample(step):
-    """This rank's share of step `step`: (prompts, replies: k token lists per prompt, rewards (G, k), seconds spent in
-    the reward function)."""
+    """This rank's share of step `step` -> (prompts, k token lists per prompt, rewards (G, k), seconds in `reward`)."""
     first = step * prompts_per_step
     mine = list(range(first + run.cp.data_rank, first + prompts_per_step, run.cp.data_size))  # positions in the stream
     prompts = [train_prompts[permutation(i // len(train_prompts))[i % len(train_prompts)]] for i in mine]
@@ -188,15 +184,14 @@ def sample(step):
 
 
 def training_batches(prompts, replies, rewards):
-    """-> (micro-batches on the host (the same number on every rank), group size, per-reply advantages or None, the
-    global normaliser: reply tokens (grpo) or pairs (online_dpo), groups trained, tokens without sharing). Groups that
-    teach nothing (all k rewards equal, and no KL term) are left out."""
+    """-> (host micro-batches, as many on every rank, group size, per-reply advantages or None, the global normaliser:
+    reply tokens (grpo) or pairs, groups trained, tokens unshared). Groups that teach nothing (all k rewards equal, and
+    no KL term) are left out."""
+    keep = [g for g in range(len(prompts)) if (loss == "grpo" and kl_coef) or rewards[g].max() > rewards[g].min()]
     if loss == "grpo":
-        keep = [g for g in range(len(prompts)) if kl_coef or rewards[g].max() > rewards[g].min()]
         groups, size = [replies[g] for g in keep], k
         advantages = group_advantages(torch.from_numpy(rewards))[keep].flatten().float().to(device)
-    else:  # online_dpo: the best and the worst reply of each group whose rewards differ
-        keep = [g for g in range(len(prompts)) if rewards[g].max() > rewards[g].min()]
+    else:  # online_dpo: the best and the worst reply of each group
         groups = [[replies[g][rewards[g].argmax()], replies[g][rewards[g].argmin()]] for g in keep]
         size, advantages = 2, None
     data = group_data([prompts[g][0] for g in keep], groups)
@@ -212,9 +207,8 @@ def training_batches(prompts, replies, rewards):
 
 
 def microbatch_loss(mb, size, advantages, normaliser, old):
-    """This micro-batch's share of the step loss, to backpropagate (times world_size: DDP and FSDP average gradients
-    over ranks). old: per micro-batch state kept over a batch's updates (the sampling policy's and the reference's
-    log-probs)."""
+    """This micro-batch's share of the step loss (times world_size: DDP and FSDP average gradients over ranks). old: its
+    state kept over a batch's updates (the sampling policy's and the reference's log-probs)."""
     with run.autocast:
         logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
     if "ref" not in old:
@@ -232,7 +226,7 @@ def microbatch_loss(mb, size, advantages, normaliser, old):
 
 @torch.no_grad()
 def evaluate():
-    """Greedy replies to the held-out prompts, split over ranks: mean reward and accuracy (replies rewarded 1 or
+    """Greedy replies to the held-out prompts, split over ranks: mean reward and accuracy (the share rewarded 1 or
     more: the built-in task's exact answers); printed and logged."""
     if not val_prompts:
         return {}
@@ -270,7 +264,6 @@ def log_step(step_loss, rewards, replies, trained, unshared, gen_s, reward_s, tr
 
 
 # ---- the loop: every step is logged
-
 results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
 before = run.saved.get("before", results)
 timer = Timer(device)

@@ -29,8 +29,7 @@ out_dir = "out/sft"
 init_from = "scratch"  # 'scratch' (a `preset`), a Hugging Face model folder, or 'resume' (out_dir/ckpt.pt)
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder, else 'byte'
-data = "builtin"  # 'builtin' (arithmetic chats), records or a prepared folder:
-#   .jsonl, .parquet, a folder of shards, a glob (see data/prepare.py), or the folder it writes
+data = "builtin"  # 'builtin' (arithmetic chats), records (.jsonl, .parquet, shards, glob) or data/prepare.py's folder
 data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
 val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')
@@ -72,8 +71,8 @@ dist_timeout = 300  # seconds a collective may wait for the other ranks before f
 wandb_log = False
 wandb_project = "nanopack"
 wandb_run_name = "sft"
-# Starting from a pretrained model (its folder has its own tokenizer), keys not set explicitly take these instead:
-# published SFT recipes for 0.1-8B models use AdamW with ~1e-5-2e-5 and cosine decay (Tulu 3, Zephyr, SmolLM2)
+# A pretrained init_from (its own tokenizer) gets these for keys not set: AdamW at ~1e-5-2e-5, cosine decay, as the
+# published SFT recipes for 0.1-8B models (Tulu 3, Zephyr, SmolLM2)
 config = configure(globals(), finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20, weight_decay=0.0,
                                             max_iters=0, epochs=2.0),
                    rules=dict(common.RULES, reasoning_turns=("conversation", "each")))
@@ -87,10 +86,9 @@ logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config
 
 
 def microbatch_loss(mb, normaliser):
-    """-> (this micro-batch's share of the step loss, to backpropagate: its summed (weighted) token loss / the step's
-    global normaliser, times world_size because DDP and FSDP average gradients over ranks and we want their sum (under
-    context parallelism each rank of a group holds its share of the group's gradient: they add up too); its summed
-    token loss, for the log)."""
+    """-> (its share of the step loss, to backpropagate: summed (weighted) token loss / the step's global normaliser,
+    times world_size as DDP and FSDP average gradients over ranks and we want their sum (a CP group's shares add up
+    too); its summed token loss, for the log)."""
     weights = None
     if loss_weighting == "sequence":  # each example counts once: its target tokens share weight 1
         per_seq = mb.sequence_sums((mb.targets != IGNORE_INDEX).float()).clamp(min=1.0)
@@ -155,20 +153,17 @@ while iter_num < max_iters:
         step_loss_sum += loss_sum
     grad_norm = common.clip_grad_norm(model, grad_clip)
     update, stopping = run.guard.check(step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
-    if update:
-        optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    iter_num += 1
     if update:  # a skipped step's loss is NaN or infinite: it is counted in skipped_steps, not averaged in
+        optimizer.step()
         loss_acc += step_loss_sum
         normaliser_window += normaliser
+    optimizer.zero_grad(set_to_none=True)
+    iter_num += 1
 
     last = iter_num == max_iters
     if iter_num % log_interval == 0 or last or stopping:  # a stop logs its partial window: no step goes unlogged
-        elapsed = timer.lap() - eval_seconds
-        eval_seconds = 0.0
-        n_steps, last_log_iter = iter_num - last_log_iter, iter_num
-        perf, (loss_total,) = meter.read(elapsed, n_steps, [loss_acc.item()])  # normaliser_window is global already
+        elapsed, eval_seconds = timer.lap() - eval_seconds, 0.0
+        perf, (loss_total,) = meter.read(elapsed, iter_num - last_log_iter, [loss_acc.item()])  # normaliser: global
         eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
         metrics = dict(iter=iter_num, loss=loss_total / normaliser_window if normaliser_window else float("nan"), lr=lr,
                        grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps, **perf)
@@ -176,7 +171,7 @@ while iter_num < max_iters:
                f"{metrics['grad_norm']:.2f} | {meter.line(metrics)} | eta {format_eta(eta)}")
         logger.log(metrics)
         loss_acc.zero_()
-        normaliser_window = 0
+        last_log_iter, normaliser_window = iter_num, 0
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         save_checkpoint(run, iter_num, step.state, config, extra={}, evaluation=evaluate())
