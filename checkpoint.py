@@ -1,8 +1,7 @@
 """
-A run's state on disk: a DCP folder out_dir/ckpt-<iter>-<n>/ of sharded tensors (model + optimizer), plus a small
-out_dir/ckpt.pt naming it (config, loader position, RNG, iteration), replaced atomically: a kill at any moment leaves
-ckpt.pt naming a complete checkpoint, and any world size and layout resumes it (DCP reshards on load). At the end of a
-run the weights are exported as a Hugging Face folder, out_dir/hf.
+A run's state on disk: a DCP folder out_dir/ckpt-<iter>-<n>/ of sharded model + optimizer tensors, and a small ckpt.pt
+naming it (config, loader position, RNG, iteration), replaced atomically: a kill at any moment leaves ckpt.pt naming a
+complete checkpoint, which any world size and layout resumes (DCP reshards). export_hf writes out_dir/hf at the end.
 """
 import io
 import json

@@ -71,9 +71,8 @@ class Run:
 
 
 class StepGuard:
-    """One small all-reduce per step: a non-finite loss or gradient norm on any rank skips the update, max_bad_steps in
-    a row stop the run, and every rank agrees on a stop signal. A step that trained nothing (RL: every group's rewards
-    equal) neither counts nor breaks a bad run."""
+    """One all-reduce per step: a non-finite loss or gradient norm on any rank skips the update (max_bad_steps in a row
+    stop the run), and the ranks agree on a stop signal. A step that trained nothing neither counts nor breaks a run."""
 
     def __init__(self, max_bad_steps, ckpt_path, model):
         self.max_bad_steps, self.ckpt_path, self.model = max_bad_steps, ckpt_path, model

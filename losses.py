@@ -4,9 +4,7 @@ The losses on log-probs, pure functions of tensors (tests/test_dpo_loss.py, test
   group_advantages  GRPO's group-normalised rewards of k replies per prompt
   policy_loss       GRPO's per-token clipped policy loss (+ a KL estimate to a reference)
   pair_stats        named per-pair statistics (rewards, reward accuracy, log-probs), summed, for exact means
-
-A pair p is sequences 2p (chosen) and 2p+1 (rejected) of the data; a packed micro-batch holds whole pairs, and
-mb.pair_sums(per-target values) gives (chosen (P,), rejected (P,)) with one index_add_ over sequence ids.
+A pair p is sequences 2p (chosen) and 2p+1 (rejected); mb.pair_sums(per-target values) -> (chosen (P,), rejected (P,)).
 """
 import torch
 import torch.nn.functional as F

@@ -23,8 +23,8 @@ IGNORE_INDEX = -100  # target value that contributes no loss (Hugging Face conve
 
 
 def pack(lengths, token_budget):
-    """Best-fit-decreasing: each item, longest first, into the open bin with the least free space that still fits it
-    -> bins of item indices, in the order opened. Deterministic: ties keep input order."""
+    """Best-fit-decreasing: each item, longest first, into the open bin with the least room that fits it (ties: input
+    order) -> bins of item indices, in the order opened."""
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     bad = np.flatnonzero((lengths <= 0) | (lengths > token_budget))
     if bad.size:
@@ -60,8 +60,7 @@ def pack(lengths, token_budget):
 
 
 def balance(lengths, world_size):
-    """Units (lengths (U,)), longest first, each to the rank with the fewest tokens so far (ties: lowest rank) -> unit
-    indices per rank. Deterministic: every rank computes every share."""
+    """Units, longest first, each to the rank with the fewest tokens so far (ties: lowest rank) -> indices per rank."""
     heap = [(0, r) for r in range(world_size)]
     shares = [[] for _ in range(world_size)]
     for u in np.argsort(-np.asarray(lengths), kind="stable").tolist():
@@ -111,8 +110,8 @@ def shared_prefixes(data, group_size=2):
 
 
 def group_data(prompts, replies, masks=None):
-    """RL groups as token data: prompts, G token-id lists; replies, G lists of k; masks, 0/1 per reply token (None:
-    all trained). -> data whose group g is sequences g*k .. g*k+k-1, each `prompt + reply`, trained on the reply."""
+    """RL groups as token data: group g is sequences g*k .. g*k+k-1, each `prompt + reply`, trained on the reply
+    (masks: 0/1 per reply token; None: all)."""
     seqs = [(p, r, np.ones(len(r)) if masks is None else masks[g][j])
             for g, (p, group) in enumerate(zip(prompts, replies)) for j, r in enumerate(group)]
     cat = lambda parts, dtype: np.concatenate([np.asarray(x, dtype) for x in parts]) if parts else np.zeros(0, dtype)
@@ -141,8 +140,8 @@ class PackedBatch:
     num_padding: int               # 1 for a filler's dummy token, else 0; a CP slice: its padding rows
     context: object = None         # a CP slice: the context.ContextParallel whose ranks hold the rest of the stream
 
-    def to(self, device, non_blocking=True):
-        move = lambda t: t.to(device, non_blocking=non_blocking)
+    def to(self, device):
+        move = lambda t: t.to(device, non_blocking=True)
         moved = {k: move(v) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         if self.kv is not None:
             moved["kv"] = (move(self.kv[0]), move(self.kv[1]), self.kv[2])
@@ -161,8 +160,8 @@ class PackedBatch:
         return np.diff(cu.cpu().numpy())[:n]
 
     def sequence_sums(self, values):
-        """values per target -> (N,) per-sequence sums, no host sync; a CP slice's summed over its group (the
-        gradient passes through: each rank computes the same loss from them)."""
+        """values per target -> (N,) per-sequence sums, no host sync; a CP slice's summed over its group (the gradient
+        passes through: each rank computes the same loss from them)."""
         sums = values.new_zeros(self.num_sequences + 1)  # + 1: a filler's slot
         sums = sums.index_add_(0, self.seq_ids, values)[:self.num_sequences]
         return sums if self.context is None else self.context.sum(sums)
