@@ -1,9 +1,7 @@
 """
-A run's state on disk. A checkpoint is a torch.distributed.checkpoint (DCP) folder out_dir/ckpt-<iter>-<n>/ of
-sharded tensors (model + optimizer), each rank writing its own, plus a small out_dir/ckpt.pt naming that folder
-(config, loader position, RNG, iteration), replaced atomically: a kill at any moment leaves ckpt.pt naming a
-complete checkpoint, and any world size and layout (1 process, DDP, FSDP2) resumes it (DCP reshards on load).
-At the end of a run the weights are exported as a Hugging Face folder, out_dir/hf.
+A run's state on disk: a DCP folder out_dir/ckpt-<iter>-<n>/ of sharded model + optimizer tensors, and a small ckpt.pt
+naming it (config, loader position, RNG, iteration), replaced atomically: a kill at any moment leaves ckpt.pt naming a
+complete checkpoint, which any world size and layout resumes (DCP reshards). export_hf writes out_dir/hf at the end.
 """
 import io
 import json
@@ -33,9 +31,8 @@ TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # LoRA: the
 
 
 def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None):
-    """Model and optimizer into a fresh DCP folder (replicated weights, 1 process or DDP, are written once), then rank 0
-    replaces ckpt.pt and only then removes older folders. extra: the script's own state (run.saved on resume).
-    -> whether it was written: weights that are not all finite, or whose evaluation is not, never are."""
+    """A fresh DCP folder, then rank 0 replaces ckpt.pt and only then removes older folders. extra: the script's own
+    state (run.saved on resume). -> whether it was written: non-finite weights or evaluation never are."""
     bad = [k for k, v in (evaluation or {}).items() if not math.isfinite(v)]
     if bad or not all_finite(run.model):
         print0(f"iter {iter_num}: {'the weights are' if not bad else ', '.join(bad) + ' is'} not finite: checkpoint "
@@ -79,8 +76,7 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
 
 
 def stop_writing(e, what, run):
-    """A write that failed on the disk's side (full, over quota, read-only): one line saying so and what to do; any
-    other error is a bug and keeps its traceback."""
+    """A write the disk refused (full, over quota, read-only): one line; any other error is a bug: its traceback."""
     errors = under(e)
     disk = [x.strerror or str(x) for x in errors if isinstance(x, OSError)]
     if not disk and any("unexpected pos" in str(x) for x in errors):  # torch.save's zip writer saw a short write
@@ -94,15 +90,14 @@ def stop_writing(e, what, run):
 
 
 def under(e):
-    """e and the errors under it, outermost first: each rank's failure in a CheckpointException, and the __context__
-    torch keeps (torch.save's RuntimeError can hold the OSError its stream raised)."""
+    """e and the errors under it, outermost first: each rank's failure in a CheckpointException, and __context__
+    (torch.save's RuntimeError can hold the OSError its stream raised)."""
     inner = [f[0] for f in getattr(e, "failures", {}).values()] + [e.__context__]
     return [e] + [x for i in inner if i is not None for x in under(i)]
 
 
 def restore_checkpoint(ckpt, folder, model, optimizer=None):
-    """Load the checkpoint's weights (and optimizer state and RNG) from its DCP folder into a placed model,
-    whatever its world size and layout: each rank reads the pieces its own parameters need."""
+    """The checkpoint's weights (and optimizer state and RNG) into a placed model, of any world size and layout."""
     if optimizer is None:
         state = dict(model=get_model_state_dict(model, options=TRAINED))
     else:
@@ -127,8 +122,7 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
 
 
 def load_checkpoint(path):
-    """ckpt.pt: the small part of a checkpoint (its "weights" entry names the DCP folder beside it). One line if it
-    cannot be read: empty or cut short (a copy that stopped), or not ours."""
+    """ckpt.pt, the small part of a checkpoint; one line if it is empty, cut short or not ours."""
     try:
         ckpt = torch.load(path, map_location="cpu", weights_only=True)
         problem = None if isinstance(ckpt, dict) and "weights" in ckpt else "no 'weights' entry naming a DCP folder"
@@ -164,8 +158,7 @@ def all_finite(model, frozen_too=False):
 
 
 def portable(path, out_dir):
-    """A path as a checkpoint stores it: relative to the run's folder when inside it (out_dir/data), so a run
-    folder that is copied or moved resumes with its own data; absolute otherwise."""
+    """Relative to the run's folder when inside it, so a copied or moved run resumes with its own data."""
     rel = os.path.relpath(os.path.abspath(path), os.path.abspath(out_dir))
     return rel if not rel.startswith("..") else os.path.abspath(path)
 
@@ -191,9 +184,8 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json 
 
 
 def export_hf(run):
-    """The trained weights as out_dir/hf, a Hugging Face folder (every rank calls this; rank 0 writes), with the
-    tokenizer files and special token ids of the folder the run started from, so it loads like the original. Each
-    folder is written as <folder>.tmp and moved into place whole: a failed export leaves the previous one as it was."""
+    """The trained weights as out_dir/hf with the starting folder's tokenizer files and token ids (every rank calls
+    this; rank 0 writes). Written as <folder>.tmp then moved whole: a failed export leaves the previous one."""
     hf_dir, adapter_dir = os.path.join(run.out_dir, "hf"), os.path.join(run.out_dir, "adapter")
     if not all_finite(run.model):
         raise SystemExit(f"the weights are not all finite: no Hugging Face folder written; {run.ckpt_path} holds the "

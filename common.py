@@ -1,8 +1,6 @@
 """
-One way to build a training run, so that each train_*.py holds only its own loop: setup() (ranks and device,
-what the config rules cannot check, tokenizer, data, model, optimizer, packed loader, resume) returns a Run; RULES
-for the keys setup reads; StepGuard skips non-finite updates; StopSignal turns Ctrl-C / SIGTERM into a checkpoint;
-the optimizer and the LR schedule.
+One way to build a training run, so that each train_*.py holds only its own loop: setup() returns a Run; RULES for the
+keys setup reads; StepGuard skips non-finite updates; StopSignal turns Ctrl-C / SIGTERM into a checkpoint.
 """
 import math
 import os
@@ -66,18 +64,15 @@ class Run:
         return self.rank == 0
 
     def exit_stopped(self, iter_num):
-        """After a stop signal, with the checkpoint saved: say how to continue, and exit 128 + the signal (143 for
-        SIGTERM, 130 for Ctrl-C) as a process it killed would: a scheduler reads the run as stopped, not done."""
+        """Exit 128 + the signal (143 SIGTERM, 130 Ctrl-C) as a killed process would: a scheduler reads "stopped"."""
         print0(f"stopped by {self.guard.stop.name or 'a signal on another rank'} after iter {iter_num}: checkpoint "
                f"{self.ckpt_path}; continue with --init_from=resume --out_dir={self.out_dir}")
         teardown_distributed(128 + signal.Signals[self.guard.stop.name or "SIGTERM"])
 
 
 class StepGuard:
-    """Whether an update may be made: the step's loss and gradient norm finite on every rank, read with one small
-    all-reduce per step, which also makes every rank agree on a stop signal. A non-finite update is skipped (the weights
-    do not change); max_bad_steps in a row stop the run. A step that trained nothing (RL: every group's rewards equal)
-    is no update: it neither counts nor breaks a bad run."""
+    """One all-reduce per step: a non-finite loss or gradient norm on any rank skips the update (max_bad_steps in a row
+    stop the run), and the ranks agree on a stop signal. A step that trained nothing neither counts nor breaks a run."""
 
     def __init__(self, max_bad_steps, ckpt_path, model):
         self.max_bad_steps, self.ckpt_path, self.model = max_bad_steps, ckpt_path, model
@@ -106,7 +101,6 @@ class StepGuard:
         return not bad, bool(stop)
 
 
-
 def clip_grad_norm(model, max_norm):
     """Clip the trained parameters' gradients to max_norm (0: no clipping) -> their norm before clipping."""
     params = [p for p in model.parameters() if p.requires_grad]
@@ -115,9 +109,8 @@ def clip_grad_norm(model, max_norm):
 
 
 class StopSignal:
-    """SIGINT (Ctrl-C) or SIGTERM (a cluster's preemption) asks the run to stop after the current step with a
-    checkpoint. A second SIGINT stops at once; a SIGTERM after a SIGINT (torchrun passes Ctrl-C on) does not.
-    Under torchrun, launch.py makes the launcher end the same way (torchrun's own exits 1 with a traceback)."""
+    """SIGINT or SIGTERM: stop after the current step with a checkpoint. A second SIGINT stops at once; a SIGTERM after
+    a SIGINT (torchrun passes Ctrl-C on) does not."""
 
     def __init__(self):
         self.name = None
@@ -170,9 +163,7 @@ def check_run(c, kind):
 
 
 def setup(config, kind, builtin_sizes=None):
-    """Ranks and device, precision, tokenizer, data, model (scratch preset, Hugging Face folder or resumed),
-    optimizer, packed loader, and the checkpoint's state restored when init_from='resume'. kind: 'sft', 'dpo' or 'rl'
-    (no token files and no loader: train_rl.py reads its prompts and makes its batches itself)."""
+    """kind: 'sft', 'dpo' or 'rl' (no token files and no loader: train_rl.py makes its batches itself)."""
     c = config
     check_run(c, kind)
     lock_out_dir(c["out_dir"])  # a second run into a live run's out_dir stops before it changes anything
@@ -252,12 +243,9 @@ def setup(config, kind, builtin_sizes=None):
 
 def build_model(model_config, start, seed, device, parallel, world_size, param_dtype, compile=False,
                 activation_checkpointing=False, from_checkpoint=False, adapters=None):
-    """-> (the model to call: wrapped for DDP / FSDP2, the network itself), placed on device with the initial
-    weights of `start` (a seeded preset or a Hugging Face folder); from_checkpoint: left for restore_checkpoint.
-    Weights from files under FSDP2 (and checkpoints always) are read after building on the meta device and
-    sharding, so each rank reads only its own rows and none ever holds the whole model.
-    adapters: LoRA settings (rank, alpha, dropout, targets, quantize): the base is frozen and a checkpoint holds
-    only the adapters, so on resume the base is read from `start` again."""
+    """-> (the model to call: wrapped for DDP / FSDP2, the network itself) with the initial weights of `start`;
+    from_checkpoint: left for restore_checkpoint. Files are read after building on the meta device and sharding, so
+    no rank ever holds the whole model. A LoRA checkpoint holds only the adapters: the base is read from `start`."""
     sharded = parallel == "fsdp" and world_size > 1
     from_checkpoint = from_checkpoint and not adapters
     from_files = from_checkpoint or (start["init_from"] != "scratch" and sharded)
@@ -321,8 +309,7 @@ def initial_config(start, tok):
 
 
 def choose_tokenizer(tokenizer, init_from, chat_template_kwargs=None):
-    """The tokenizer asked for; else the one in init_from's Hugging Face folder; else the byte-level one
-    (a folder without tokenizer files is a model we trained with it, like out/sft/hf)."""
+    """The tokenizer asked for; else init_from's; else the byte-level one (a folder without tokenizer files is ours)."""
     hf_folder = init_from not in ("scratch", "resume")
     try:
         return get_tokenizer(tokenizer or (init_from if hf_folder and Tokenizer.has_files(init_from) else "byte"),

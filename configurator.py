@@ -1,15 +1,10 @@
 """
-nanoGPT-style configuration: a training script keeps its config as plain globals at the top, then calls
+nanoGPT-style configuration: a script keeps its config as plain globals at the top, then calls
 `config = configure(globals(), rules=...)`, which applies every config/*.py file named on the command line, then every
---key=value. Only keys the script defines can be set, each with the type of its default (an int where a float is
-expected; a default of None or 'auto' takes any type), and each value must pass the script's own rules: a tuple of
-choices, or an interval such as "[1, inf)" or "(0, 1]" (its ends may name other keys: "[0, learning_rate]").
---help prints the keys, their defaults and the comments beside them: the config block is the documentation.
-
-finetune: values for the keys argv does not set, when the run starts from a pretrained model (a folder with its own
-tokenizer), said once. init_from='resume': the run's saved config, with keys given again printed as overrides;
-FIXED_ON_RESUME keys cannot change. Every mistake is one `config error:` line naming the key, the value and what
-is accepted.
+--key=value. Only keys the script defines can be set, each with the type of its default (None or 'auto': any type),
+and each value must pass the script's rules: a tuple of choices, or an interval such as "[1, inf)" (its ends may name
+other keys: "[0, learning_rate]"). --help prints the config block with its comments: it is the documentation.
+init_from='resume' takes the run's saved config; FIXED_ON_RESUME keys cannot change.
 """
 import ast
 import math
@@ -60,9 +55,8 @@ def _parse(text):
 
 
 def configure(config, argv=None, finetune=None, rules=None):
-    """Update the dict `config` (a script's globals()) in place from argv, and from the saved config of the run
-    being resumed; returns the plain config values, each checked against rules {key: choices tuple or interval}.
-    A mistake ends the program with its one-line message."""
+    """Update `config` (a script's globals()) in place from argv (and a resumed run's saved config) -> the checked
+    values. finetune: values for keys argv does not set when starting from a pretrained model."""
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
         print_help(config)
@@ -111,7 +105,7 @@ def check_rule(c, key, rule):
 
 
 def print_help(config):
-    """The script's config block as written, each key with its value now (a config file or --key=value applied)."""
+    """The script's config block as written, each key with its value now."""
     path = config.get("__file__", sys.argv[0])
     lines = open(path).read().splitlines()
     keys = {stmt.lineno: stmt.targets[0].id for node in ast.parse("\n".join(lines)).body
@@ -130,7 +124,7 @@ def print_help(config):
 
 
 def pretrained(init_from):
-    """A model folder with its own tokenizer files: a real checkpoint, not an export of our byte-level toy runs."""
+    """A model folder with its own tokenizer files, not an export of our byte-level toy runs."""
     return any(os.path.exists(os.path.join(init_from, f)) for f in ("tokenizer.json", "tokenizer.model"))
 
 

@@ -1,9 +1,7 @@
 """
-torchrun, ending a run stopped by a signal as the workers do: `python launch.py --nproc_per_node=8 train_sft.py ...`
-takes torchrun's own arguments. On SIGTERM (a preemption) or Ctrl-C, torchrun passes the signal to the workers, which
-save a checkpoint and print how to resume, and waits for them (its --shutdown_timeout); then it raises SignalException:
-~30 lines of traceback and exit 1, read as a crash. Here it exits 128 + the signal instead (143 for SIGTERM, 130 for
-Ctrl-C), what a process killed by it reports and Slurm and Kubernetes read as stopped by a signal, not failed.
+torchrun, ending a run stopped by a signal as the workers do: `python launch.py --nproc_per_node=8 train_sft.py ...`.
+On SIGTERM or Ctrl-C torchrun's own exit is 1 with ~30 lines of traceback, read as a crash; here it is 128 + the
+signal (143 SIGTERM, 130 Ctrl-C), which Slurm and Kubernetes read as stopped by a signal, not failed.
 """
 import sys
 

@@ -4,9 +4,7 @@ The losses on log-probs, pure functions of tensors (tests/test_dpo_loss.py, test
   group_advantages  GRPO's group-normalised rewards of k replies per prompt
   policy_loss       GRPO's per-token clipped policy loss (+ a KL estimate to a reference)
   pair_stats        named per-pair statistics (rewards, reward accuracy, log-probs), summed, for exact means
-
-A pair p is sequences 2p (chosen) and 2p+1 (rejected) of the data; a packed micro-batch holds whole pairs, and
-mb.pair_sums(per-target values) gives (chosen (P,), rejected (P,)) with one index_add_ over sequence ids.
+A pair p is sequences 2p (chosen) and 2p+1 (rejected); mb.pair_sums(per-target values) -> (chosen (P,), rejected (P,)).
 """
 import torch
 import torch.nn.functional as F
@@ -17,10 +15,8 @@ STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "logps
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, len_chosen, len_rejected,
              loss_type, beta, label_smoothing=0.0, gamma=0.0):
-    """Per-pair losses (P,) and rewards (chosen (P,), rejected (P,)) from per-sequence log-prob sums of the
-    policy and the reference, and the response lengths in target tokens. Rewards are beta * (policy - reference),
-    on log-probs per response token for ipo (TRL's convention), dpo_norm and simpo, and on the policy alone
-    for simpo, which has no reference."""
+    """-> per-pair losses (P,) and rewards beta * (policy - reference) (chosen (P,), rejected (P,)) from per-sequence
+    log-prob sums; per response token for ipo (TRL's convention), dpo_norm and simpo (which has no reference)."""
     pc, pr, rc, rr = policy_chosen, policy_rejected, ref_chosen, ref_rejected
     if loss_type in ("ipo", "dpo_norm", "simpo"):
         pc, pr, rc, rr = pc / len_chosen, pr / len_rejected, rc / len_chosen, rr / len_rejected
@@ -45,9 +41,8 @@ def group_advantages(rewards):
 
 
 def policy_loss(logps, old_logps, advantages, clip_eps, ref_logps=None, kl_coef=0.0):
-    """Per-token losses (K,) of GRPO: PPO's clipped objective with each token's reply advantage, ratios to the policy
-    that sampled (old_logps; logps.detach() on a batch's first update, where the ratio is 1 and only its gradient
-    counts), plus kl_coef times the k3 estimate of KL(policy || reference) per token."""
+    """(K,) PPO's clipped objective, ratios to the sampling policy (old_logps; logps.detach() on a batch's first
+    update: only the gradient counts), plus kl_coef times the k3 estimate of KL(policy || reference)."""
     ratio = torch.exp(logps - old_logps)
     losses = -torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
     if kl_coef:
@@ -57,8 +52,7 @@ def policy_loss(logps, old_logps, advantages, clip_eps, ref_logps=None, kl_coef=
 
 
 def pair_stats(losses, rewards_chosen, rewards_rejected, policy_chosen, policy_rejected):
-    """Sums over pairs, by name (STATS); reward_accuracy counts the pairs whose chosen reward is the higher (a
-    per-pair comparison, not a comparison of mean rewards). Summed over steps and ranks, then divided."""
+    """Sums over pairs, by name (STATS), for exact means over steps and ranks; reward_accuracy compares per pair."""
     values = (losses, rewards_chosen, rewards_rejected, (rewards_chosen > rewards_rejected).float(), policy_chosen,
               policy_rejected)
     return {k: v.detach().sum() for k, v in zip(STATS, values)}

@@ -1,7 +1,5 @@
-"""
-Honest numbers for the log: metrics.jsonl (and wandb), tokens/s, MFU and padding counted from the real tokens and
-sequence lengths of each micro-batch, peak memory, time.
-"""
+"""Honest numbers for the log: metrics.jsonl (and wandb), tokens/s, MFU and padding from each micro-batch's real
+tokens and sequence lengths, peak memory, time."""
 import json
 import os
 import resource
@@ -30,8 +28,7 @@ class MetricsLogger:
 
     def __init__(self, out_dir, wandb_log=False, wandb_project="nanopack", run_name=None, config=None,
                  resume_iter=None):
-        """resume_iter: the checkpoint's step when resuming: the log is kept up to it (rows a killed run wrote past
-        its last checkpoint are dropped, so no step appears twice) and appended to; None: a fresh log."""
+        """resume_iter: the checkpoint's step; rows past it (a killed run's) are dropped, so no step appears twice."""
         self.active = is_master()
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.wandb = None
@@ -78,8 +75,8 @@ class MetricsLogger:
 
 
 class Throughput:
-    """What a log window did: real tokens, padding, positions, FLOPs from the actual sequence lengths, time waiting
-    for data. Counted on the host; read() sums them over ranks in one collective, the script's own sums with them."""
+    """A log window's real tokens, padding, positions, FLOPs from the actual sequence lengths, and time waiting for
+    data, counted on the host; read() sums them over ranks in one collective, with the script's own sums."""
 
     def __init__(self, model, device, world_size, flops_factor=1.0):
         self.model, self.device, self.world_size = model, device, world_size

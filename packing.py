@@ -3,10 +3,9 @@ Lengths in, packed micro-batches out. A micro-batch is whole examples back to ba
 long, cu_seqlens marking the boundaries attention never crosses: nothing padded, cut or dropped.
 
 Data (data/prepare.py): ids (M,) all tokens; offsets (N+1,), example i is ids[offsets[i]:offsets[i+1]];
-loss_mask (M,), 1 on the tokens to learn. A unit is what travels whole: an SFT example, or a group of group_size
-adjacent sequences sharing a prompt (a DPO pair: 2, chosen then rejected; an RL group: k replies).
-The label shift happens here, once: targets[t] is the token position t must predict (the next one, if trained and
-in the same sequence, else IGNORE_INDEX); the model knows nothing of shifting or boundaries.
+loss_mask (M,), 1 on the tokens to learn. A unit travels whole: an SFT example, or a group of group_size adjacent
+sequences sharing a prompt (a DPO pair: 2, chosen then rejected; an RL group: k replies). The label shift happens
+here, once: the model knows nothing of shifting or boundaries.
 
 Prefix sharing: a group of k sequences that start with the same P tokens (the prompt) is laid out
 `prompt | rest 1 | ... | rest k` (positions 0..P-1 | P.. | P..): the prompt is computed once, each later rest attending
@@ -24,9 +23,8 @@ IGNORE_INDEX = -100  # target value that contributes no loss (Hugging Face conve
 
 
 def pack(lengths, token_budget):
-    """Best-fit-decreasing: put each item, longest first, into the open bin whose free space is the smallest that
-    still fits it. Returns bins of item indices (in the order opened, items longest first); every index appears
-    exactly once, no bin holds more than token_budget. Deterministic: ties keep input order."""
+    """Best-fit-decreasing: each item, longest first, into the open bin with the least room that fits it (ties: input
+    order) -> bins of item indices, in the order opened."""
     lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
     bad = np.flatnonzero((lengths <= 0) | (lengths > token_budget))
     if bad.size:
@@ -55,17 +53,14 @@ def pack(lengths, token_budget):
             bins[b].append(i)
             space -= n
         if space >= min_length:  # a bin with less room than the shortest item is closed for good
-            if space in bins_with:
-                bins_with[space].append(b)
-            else:
-                bins_with[space] = [b]
+            if space not in bins_with:
                 insort(spaces, space)
+            bins_with.setdefault(space, []).append(b)
     return bins
 
 
 def balance(lengths, world_size):
-    """Units (lengths (U,)) split over ranks: longest first to the rank with the fewest tokens so far (ties: lowest
-    rank) -> a list of unit indices per rank. Deterministic: every rank computes every share."""
+    """Units, longest first, each to the rank with the fewest tokens so far (ties: lowest rank) -> indices per rank."""
     heap = [(0, r) for r in range(world_size)]
     shares = [[] for _ in range(world_size)]
     for u in np.argsort(-np.asarray(lengths), kind="stable").tolist():
@@ -76,9 +71,8 @@ def balance(lengths, world_size):
 
 
 def rank_bins(units, lengths, token_budget, rank=0, world_size=1):
-    """This rank's forwards over `units` (lengths: (U,) tokens of every unit, as computed): the units balanced over the
-    ranks, each share packed best-fit-decreasing -> bins of unit indices, padded with fillers ([]: one dummy token, no
-    targets) to as many as the busiest rank has, since under DDP and FSDP every forward is a collective."""
+    """This rank's bins of unit indices (lengths: (U,) of every unit), padded with fillers ([]: one dummy token) to as
+    many as the busiest rank has, since under DDP and FSDP every forward is a collective."""
     units = np.asarray(units, dtype=np.int64).reshape(-1)
     shares = [units[s] for s in balance(lengths[units], world_size)]
     bins = [[share[b].tolist() for b in pack(lengths[share], token_budget)] if len(share) else [] for share in shares]
@@ -100,9 +94,8 @@ def unit_lengths(data, group_size=1, prefix=None):
 
 
 def shared_prefixes(data, group_size=2):
-    """Groups of group_size sequences (DPO pairs: 2): (U,) how many tokens all of a group's sequences share at the
-    start (the prompt, and any identical first reply tokens), at most one less than any of their lengths, so each
-    keeps a token of its own. A lone sequence (group_size 1) shares nothing."""
+    """(U,) tokens all of a group's sequences share at the start, at most one less than any of their lengths, so
+    each keeps a token of its own. A lone sequence (group_size 1) shares nothing."""
     offsets, ids = np.asarray(data["offsets"], dtype=np.int64), data["ids"]
     starts = offsets[:-1].reshape(-1, group_size)  # (U, k)
     limit = np.diff(offsets).reshape(-1, group_size).min(1) - 1 if group_size > 1 else np.zeros(len(starts), int)
@@ -117,9 +110,8 @@ def shared_prefixes(data, group_size=2):
 
 
 def group_data(prompts, replies, masks=None):
-    """RL groups as token data: prompts, G token-id lists; replies, G lists of k token-id lists; masks, 0/1 per reply
-    token (None: all trained). -> token data whose group g is sequences g*k .. g*k+k-1, each `prompt + reply`, the loss
-    on reply tokens only: make_batch(data, groups, group_size=k, prefix=shared_prefixes(data, k))."""
+    """RL groups as token data: group g is sequences g*k .. g*k+k-1, each `prompt + reply`, trained on the reply
+    (masks: 0/1 per reply token; None: all)."""
     seqs = [(p, r, np.ones(len(r)) if masks is None else masks[g][j])
             for g, (p, group) in enumerate(zip(prompts, replies)) for j, r in enumerate(group)]
     cat = lambda parts, dtype: np.concatenate([np.asarray(x, dtype) for x in parts]) if parts else np.zeros(0, dtype)
@@ -130,9 +122,8 @@ def group_data(prompts, replies, masks=None):
 
 @dataclass
 class PackedBatch:
-    """One packed micro-batch: N whole sequences back to back (a filler, N = 0, is one dummy token). Targets: SFT
-    examples, one per position (target_rows None, targets and seq_ids (T,)); groups, one triple per trained token
-    (target_rows, targets, seq_ids (K,)). Either way sequence_sums() adds per-target values up per sequence."""
+    """N whole sequences back to back (a filler, N = 0, is one dummy token). Targets: SFT, one per position
+    (target_rows None); groups, one triple per trained token (target_rows, targets, seq_ids (K,))."""
     input_ids: torch.Tensor        # (T,) long
     targets: torch.Tensor          # (T,) the next token where it is trained, else IGNORE_INDEX; groups (K,) tokens
     target_rows: object            # None, or groups (K,) long: the hidden row that predicts targets[i]
@@ -149,8 +140,8 @@ class PackedBatch:
     num_padding: int               # 1 for a filler's dummy token, else 0; a CP slice: its padding rows
     context: object = None         # a CP slice: the context.ContextParallel whose ranks hold the rest of the stream
 
-    def to(self, device, non_blocking=True):
-        move = lambda t: t.to(device, non_blocking=non_blocking)
+    def to(self, device):
+        move = lambda t: t.to(device, non_blocking=True)
         moved = {k: move(v) for k, v in vars(self).items() if isinstance(v, torch.Tensor)}
         if self.kv is not None:
             moved["kv"] = (move(self.kv[0]), move(self.kv[1]), self.kv[2])
@@ -163,21 +154,20 @@ class PackedBatch:
                     targets=self.targets, target_rows=self.target_rows)
 
     def key_lengths(self):
-        """Keys each query segment of real tokens attends over: a sequence's length (with a shared prompt, P more); in
-        a CP slice, a piece's sequence up to the piece's end (the slice's padding is its last segment)."""
+        """Keys each query segment of real tokens attends over (a CP slice: its sequence up to the piece's end)."""
         cu = self.cu_seqlens if self.kv is None else self.kv[1]
         n = self.num_sequences if self.context is None else len(cu) - 1 - (self.num_padding > 0)
         return np.diff(cu.cpu().numpy())[:n]
 
     def sequence_sums(self, values):
-        """values per target (aligned with seq_ids) -> (N,) per-sequence sums: one index_add_, no host sync. A CP
-        slice's are summed over its group (the gradient passes through: each rank computes the same loss from them)."""
+        """values per target -> (N,) per-sequence sums, no host sync; a CP slice's summed over its group (the gradient
+        passes through: each rank computes the same loss from them)."""
         sums = values.new_zeros(self.num_sequences + 1)  # + 1: a filler's slot
         sums = sums.index_add_(0, self.seq_ids, values)[:self.num_sequences]
         return sums if self.context is None else self.context.sum(sums)
 
     def group_sums(self, values, group_size):
-        """Groups of group_size sequences: values per target -> (U, k) per-sequence sums, row u the batch's unit u."""
+        """values per target -> (U, k) per-sequence sums, row u the batch's unit u."""
         return self.sequence_sums(values)[:group_size * len(self.units)].view(len(self.units), group_size)
 
     def pair_sums(self, values):
@@ -186,9 +176,8 @@ class PackedBatch:
 
 
 def make_batch(data, units, group_size=1, prefix=None):
-    """Concatenate the data's units into one PackedBatch: examples (group_size 1), or groups of group_size sequences
-    (a DPO pair: 2), sequences j*k .. j*k+k-1 of the batch being its group j. prefix: shared_prefixes() of the data, so
-    that each group's shared prompt is computed once; None lays every sequence out whole."""
+    """The data's units as one PackedBatch, sequences j*k .. j*k+k-1 its group j. prefix: shared_prefixes() of the
+    data, each group's prompt computed once; None lays every sequence out whole."""
     ids, offsets, loss_mask = data["ids"], data["offsets"], data["loss_mask"]
     units = np.asarray(units, dtype=np.int64).reshape(-1)
     grouped = group_size > 1
@@ -241,8 +230,7 @@ def make_batch(data, units, group_size=1, prefix=None):
 
 @dataclass
 class Step:
-    """What one optimizer step consumes. Counts are GLOBAL (all ranks): every rank knows the
-    global order, so the loss can be normalised exactly without communication."""
+    """One optimizer step. Counts are GLOBAL (all ranks): the loss is normalised exactly without communication."""
     microbatches: list        # this rank's PackedBatch list; the same length on every rank
     num_examples: int         # sequences in the step (DPO: 2 * num_groups)
     num_groups: int           # groups (DPO pairs) in the step (0 for SFT)
@@ -252,15 +240,10 @@ class Step:
 
 
 class PackedLoader:
-    """Yields one Step per optimizer step, forever (epochs roll over; len() = steps per epoch).
-
-    Step k of epoch e holds the units (examples; DPO: pairs) perm[k*B:(k+1)*B] of a permutation seeded by (seed, e):
-    a step's data never depends on world_size or microbatch_tokens, so 1 GPU and 8 train on the same data and a run
-    resumes on another number of GPUs. An epoch's last partial step is a smaller step. Each rank takes a near-equal
-    share of the step's tokens, packed best-fit-decreasing into micro-batches (rank_bins), as many on every rank.
-    The script syncs gradients on the last micro-batch and divides each summed loss by the step's global count
-    (num_target_tokens for SFT, num_groups for DPO), times world_size where gradients are averaged over ranks.
-    Resuming: state_dict() is the state after the last step returned (or step.state of a step in hand)."""
+    """One Step per optimizer step, forever (len() = steps per epoch). Step k of epoch e holds the units
+    perm[k*B:(k+1)*B] of a permutation seeded by (seed, e): a step's data never depends on world_size or
+    microbatch_tokens, so a run resumes on another number of GPUs. Each rank packs a near-equal share (rank_bins).
+    state_dict() is the state after the last step returned (or step.state of a step in hand)."""
 
     def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0, group_size=1,
                  prefix_sharing=False, context=None):
@@ -272,8 +255,7 @@ class PackedLoader:
         self.lengths = unit_lengths(data, group_size, self.prefix)  # (U,) tokens per unit, as computed
         self.targets = target_counts(data).reshape(-1, group_size).sum(1)  # (U,) target tokens per unit
         self.steps_per_epoch = -(-len(self.lengths) // batch_size)
-        self.epoch, self.step = 0, 0
-        self._perm_epoch, self._perm = None, None
+        self.epoch, self.step, self.perm_epoch = 0, 0, None
 
     def __len__(self):
         return self.steps_per_epoch
@@ -281,17 +263,13 @@ class PackedLoader:
     def __iter__(self):
         return self
 
-    def step_units(self, epoch, step):
-        """Unit indices (examples; DPO: pairs) of global step `step` of `epoch`, all ranks."""
-        if self._perm_epoch != epoch:
-            self._perm = np.random.default_rng((self.seed, epoch)).permutation(len(self.lengths))
-            self._perm_epoch = epoch
-        return self._perm[step * self.batch_size:(step + 1) * self.batch_size]
-
     def __next__(self):
         if self.step >= self.steps_per_epoch:
             self.epoch, self.step = self.epoch + 1, 0
-        units = self.step_units(self.epoch, self.step)
+        if self.perm_epoch != self.epoch:
+            self.perm = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.lengths))
+            self.perm_epoch = self.epoch
+        units = self.perm[self.step * self.batch_size:(self.step + 1) * self.batch_size]  # all ranks' units
         bins = rank_bins(units, self.lengths, self.microbatch_tokens, self.rank, self.world_size)
         micro = [make_batch(self.data, b, self.group_size, self.prefix) for b in bins]
         micro = micro if self.context is None else [self.context.split(mb) for mb in micro]

@@ -46,8 +46,7 @@ def main(argv):
     runs = {run_dir: read(run_dir) for run_dir in runs}
     panels = [p for p in PANELS if any(m.get(key) is not None for rows in runs.values() for m in rows
                                        for key, _ in p[1])]  # only what some run logged
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-    axes = axes[0]
+    fig, (axes,) = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)  # one row
     offset = 0  # each run continues where the previous one ended
     for run_dir, rows in runs.items():
         name = os.path.basename(os.path.normpath(run_dir))

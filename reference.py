@@ -25,10 +25,8 @@ from parallel import all_reduce_sum, print0
 
 @torch.no_grad()
 def split_logps(model, data, budget, device, autocast, prefix=None, group_size=2, cp=None):
-    """(U, k) log-prob sums of every group of k sequences of a split (DPO pairs: [chosen, rejected]), forward only, the
-    same on every rank: each rank runs its share and the shares are summed over ranks. prefix: the split's
-    shared_prefixes(), each computed once (None: sequences laid out whole). cp: the run's context.ContextParallel
-    (None: none); a CP group shares `budget` per rank and its ranks' sums are alike: its first rank's count."""
+    """(U, k) log-prob sums of every group of k sequences of a split (DPO pairs: [chosen, rejected]), the same on every
+    rank: each runs its share, summed over ranks. A CP group's ranks' sums are alike: its first rank's count."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     cp = cp or ContextParallel(data_rank=rank, data_size=world_size)
     was_training = model.training
@@ -47,9 +45,8 @@ def split_logps(model, data, budget, device, autocast, prefix=None, group_size=2
 
 
 class Reference:
-    """The reference's log-prob sums for the policy's micro-batches and the val split: looked up from (U, 2) tables
-    (cached; zeros for simpo, which has none), or computed on the same packed micro-batch by `model` (live, or the
-    policy under `switch`, adapters off)."""
+    """Log-prob sums looked up from (U, 2) tables (cached; zeros for simpo), or computed on the same micro-batch by
+    `model` (live, or the policy under `switch`, adapters off)."""
 
     def __init__(self, train=None, val=None, model=None, autocast=None, switch=nullcontext):
         self.train, self.val, self.model, self.autocast, self.switch = train, val, model, autocast, switch
@@ -62,14 +59,14 @@ class Reference:
         return mb.pair_sums(self.logps(mb))
 
     def logps(self, mb):
-        """The reference model's log-prob of each trained token of a micro-batch (K,) (not with cached tables)."""
+        """(K,) the reference model's log-prob of each trained token (not with cached tables)."""
         with torch.no_grad(), self.autocast, self.switch():
             return self.model(**mb.inputs(), logprobs=True)
 
     @classmethod
     def of_model(cls, mode, run):
-        """'live': a frozen copy of the initial weights (under FSDP2 sharded like the policy, so both compute in the
-        same precision); 'adapters_off': the policy without its adapters."""
+        """'live': a frozen copy of the initial weights (FSDP2: sharded like the policy, for the same precision);
+        'adapters_off': the policy without its adapters."""
         if mode == "adapters_off":
             return cls(model=run.model, autocast=run.autocast, switch=lambda: adapters_disabled(run.raw_model))
         parallel = "fsdp" if run.config["parallel"] == "fsdp" else None  # no gradients: nothing for DDP to do
@@ -79,8 +76,7 @@ class Reference:
 
     @classmethod
     def build(cls, mode, run, key, val_prefix=None):
-        """The Reference of a DPO run: mode 'none' (simpo), 'cached', 'live' or 'adapters_off'. The train split's shared
-        prefixes are the loader's, the val split's val_prefix (None: no prefix sharing)."""
+        """A DPO run's: mode 'none' (simpo), 'cached', 'live' or 'adapters_off'; val_prefix: the val split's."""
         budget = 4 * run.config["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
         logps = lambda model: [split_logps(model, split, budget, run.device, run.autocast, prefix, cp=run.cp)
                                for split, prefix in ((run.train_data, run.loader.prefix), (run.val_data, val_prefix))]
@@ -122,9 +118,8 @@ class Reference:
 
 
 def cache_key(run):
-    """What the cached log-probs depend on, hashed: the initial weights themselves (run.start: the model folder's
-    fingerprint, or the preset and seed: not a path, so new weights in the same folder miss the cache), the token files
-    of both splits, the tokenizer, template and dtype."""
+    """What the cached log-probs depend on, hashed: the initial weights (a fingerprint, not a path: new weights in the
+    same folder miss the cache), both splits' tokens, the tokenizer, template and dtype."""
     scratch = run.start["init_from"] == "scratch"
     h = hashlib.sha256(json.dumps(["nanopack-reference-v2", run.start, run.tok.name, run.tok.template_id, run.dtype,
                                    run.config["seed"] if scratch else None,
