@@ -78,15 +78,16 @@ class Reference:
     def build(cls, mode, run, key, val_prefix=None):
         """A DPO run's: mode 'none' (simpo), 'cached', 'live' or 'adapters_off'; val_prefix: the val split's."""
         budget = 4 * run.config["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
-        logps = lambda model: [split_logps(model, split, budget, run.device, run.autocast, prefix, cp=run.cp)
-                               for split, prefix in ((run.train_data, run.loader.prefix), (run.val_data, val_prefix))]
+
+        def logps(model, data, prefix):
+            return split_logps(model, data, budget, run.device, run.autocast, prefix, cp=run.cp)
         n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
         if mode == "none":
             return cls(torch.zeros(n_train, 2, device=run.device), torch.zeros(n_val, 2, device=run.device))
         if mode in ("live", "adapters_off"):
             ref = cls.of_model(mode, run)
             with ref.switch():
-                ref.val = logps(ref.model)[1]
+                ref.val = logps(ref.model, run.val_data, val_prefix)  # training's: computed on each micro-batch
             return ref
         folder = os.path.join(run.out_dir, "reference")
         paths = {split: os.path.join(folder, f"{key}_{split}.npy") for split in ("train", "val")}
@@ -98,7 +99,8 @@ class Reference:
             raise SystemExit(f"{key_path} is missing: the reference log-probs of the run being resumed are gone, and "
                              f"its checkpoint holds the trained weights, not the reference; start the run again")
         t0 = time.perf_counter()
-        train, val = logps(run.model)  # the policy has not moved yet
+        train = logps(run.model, run.train_data, run.loader.prefix)  # the policy has not moved yet
+        val = logps(run.model, run.val_data, val_prefix)
         seconds = time.perf_counter() - t0
         if run.master:
             os.makedirs(folder, exist_ok=True)

@@ -158,3 +158,25 @@ def test_packed_equals_padded_logps_loss_and_gradients(monkeypatch, shared):
     for k, p in net.named_parameters():
         scale = p.grad.abs().max().item() + 1e-12
         torch.testing.assert_close(packed_grads[k] / scale, p.grad / scale, atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("mode", ["adapters_off", "live"])
+def test_a_reference_computed_on_each_microbatch_precomputes_only_the_val_split(monkeypatch, mode):
+    """Training reads a live or adapters_off reference on each micro-batch: only the val split's sums are computed
+    before training (a forward over the whole train split was computed and thrown away)."""
+    import types
+    from contextlib import nullcontext
+
+    import reference
+    model = Transformer(config_from_preset("toy"))
+    computed = []
+    monkeypatch.setattr(reference, "split_logps", lambda m, data, *a, **k: computed.append(data) or torch.zeros(1, 2))
+    monkeypatch.setattr(reference, "build_model", lambda *a, **k: (model, None))
+    train, val = {"offsets": np.arange(9)}, {"offsets": np.arange(5)}
+    run = types.SimpleNamespace(config=dict(microbatch_tokens=64, parallel="ddp", seed=0), model=model,
+                                raw_model=model, autocast=nullcontext(), device="cpu", cp=None, train_data=train,
+                                val_data=val,
+                                loader=types.SimpleNamespace(lengths=np.ones(4), prefix=None), start={}, world_size=1,
+                                dtype="float32")
+    ref = reference.Reference.build(mode, run, key="k")
+    assert computed == [val] and ref.model is model and ref.val.shape == (1, 2)
