@@ -64,12 +64,10 @@ def config_from_hf(hf, source="config.json"):
     scaling = None if kind == "default" else {**{k: v for k, v in rope.items() if k not in ("type", "rope_theta")},
                                               "rope_type": kind}
     max_len = get("max_position_embeddings", default=2048)
-    window = None
-    if arch == "mistral":
-        window = get("sliding_window")
-    elif hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+    if arch != "mistral" and hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
         unsupported("use_sliding_window", "per-layer sliding windows (Qwen2/Qwen3 max_window_layers, SmolLM3 "
                                           "NoPE layers) are not implemented")
+    window = get("sliding_window") if arch == "mistral" else None
     if window is not None and window >= max_len:
         window = None  # a window no sequence can exceed changes nothing
     n_head, n_layer = get("num_attention_heads", required=True), get("num_hidden_layers", required=True)
@@ -233,8 +231,7 @@ def fingerprint(path, rows=16):
 
 
 def from_pretrained(path, dtype=None, device="cpu"):
-    """A Transformer from a local Hugging Face folder (dtype None: the checkpoint's), built on the meta device and
-    each tensor read straight into its parameter: peak memory, model + one tensor."""
+    """A Transformer from a Hugging Face folder (dtype None: the checkpoint's); peak memory: model + one tensor."""
     config = read_hf_config(path)
     files = SafetensorsFolder(path)
     with torch.device("meta"):

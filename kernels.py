@@ -105,8 +105,7 @@ def rope_fused(q, k, cos, sin, position_ids):
     return _rope_op(q, k, cos, sin, position_ids.contiguous(), False)
 
 
-# Peak memory O(chunk * vocab), not O(T * vocab): two (chunk, vocab) float32 buffers, 2048 x 128k x 4 bytes = 1 GiB
-# each, still a large matmul
+# a chunk's two (chunk, vocab) float32 buffers: 2048 x 128k x 4 bytes = 1 GiB each, and still a large matmul
 LOSS_CHUNK = 2048
 
 

@@ -215,8 +215,7 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=Non
     lens = np.diff(cu_seqlens.tolist()).tolist()
     k_lens = lens if cu_seqlens_k is None else np.diff(cu_seqlens_k.tolist()).tolist()
     outs = []
-    # split, not slices: its backward is one cat, not a zero (T, H, D) per slice; 4-D (1, H, L, D), as with 3-D inputs
-    # CPU SDPA takes its O(L^2)-memory math path
+    # split, not slices: its backward is one cat; 4-D (1, H, L, D): 3-D inputs take CPU SDPA's O(L^2) math path
     for qi, ki, vi in zip(q.split(lens), k.split(k_lens), v.split(k_lens)):
         qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
         Lq, Lk = qi.shape[2], ki.shape[2]
