@@ -53,7 +53,7 @@ def config_from_hf(hf, source="config.json"):
         unsupported(rope_key, 'expected an object such as {"rope_type": "linear", "factor": 2.0}')
     theta = (get("rope_theta", float, within=rope_key) if rope else None) or get("rope_theta", float, 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    needs = {"default": (), "linear": ("factor",),  # the keys rope_inv_freq reads
+    needs = {"default": (), "linear": ("factor",),  # the keys model.rope_tables reads
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     if kind not in needs:
         unsupported(rope_key, f"rope_type {kind!r} (supported: default, linear, llama3)")

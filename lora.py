@@ -134,9 +134,9 @@ def quantize_base(model, block_size=64, scaler_block_size=256):
     tile = block_size * scaler_block_size  # torchao's blocks must tile the weight
     kept = [name for name, m in model.named_modules() if isinstance(m, LoRALinear) and m.weight.numel() % tile]
     if len(kept) == len(adapted(model)):
-        raise ValueError(f"quantize_base='nf4': none of the {len(kept)} adapted weights is a multiple of "
-                         f"{tile} values (NF4 blocks), so nothing would be 4-bit and QLoRA "
-                         f"would be plain LoRA; drop quantize_base for this model")
+        raise ValueError(f"quantize_base='nf4': none of the {len(kept)} adapted weights is a multiple of {tile} "
+                         f"values (NF4 blocks), so nothing would be 4-bit and QLoRA would be plain LoRA; drop "
+                         f"quantize_base for this model")
     for m in adapted(model):
         if m.weight.numel() % tile == 0:
             m.weight = nn.Parameter(to_nf4(m.weight.detach(), block_size, scaler_block_size), requires_grad=False)

@@ -123,7 +123,8 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-def rope_inv_freq(config):
+def rope_tables(config, device):
+    """cos, sin: (max_seq_len, D/2) float32, looked up by position id."""
     dim, base = config.head_dim, config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (D/2,)
     scaling = config.rope_scaling or {}
@@ -142,13 +143,7 @@ def rope_inv_freq(config):
         inv_freq = torch.where(is_medium, smoothed, scaled)
     elif kind != "default":
         raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
-    return inv_freq
-
-
-def rope_tables(config, device):
-    """cos, sin: (max_seq_len, D/2) float32, looked up by position id."""
-    inv_freq = rope_inv_freq(config).to(device)
-    freqs = torch.outer(torch.arange(config.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    freqs = torch.outer(torch.arange(config.max_seq_len, device=device, dtype=torch.float32), inv_freq.to(device))
     return freqs.cos(), freqs.sin()
 
 
