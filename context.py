@@ -1,15 +1,12 @@
 """
 Context parallelism (CP) on the packed stream, so that one sequence may be longer than one GPU's micro-batch (Llama 3,
-arXiv 2407.21783 §3.3.2). The `size` ranks of a CP group take the same micro-batch (packing.make_batch of the group's
-units) and each computes a slice of its token stream: every sequence is cut into 2*size chunks dealt head-tail (rank r
-takes chunks r and 2*size-1-r), which gives each rank the same causal attention work. Positions, targets and sequence
-ids are the whole batch's, carried into the slice. A slice is a batch of query pieces over a longer key stream
-(packing.py's kv): a piece attends to its sequence's keys up to its own end, aligned at the bottom right, read from K/V
-all-gathered over the group in every layer (model.Attention gathers when kv carries the group). All else is per token:
-the LM-head loss on the rank's own target rows, per-sequence sums all-reduced over the group (sequence_sums).
-World = data parallel x context parallel; a CP group is `size` consecutive ranks (one node's fast links).
-Gradients: each rank's backward holds its share of the group's; DDP / FSDP2 average over all ranks, so the scripts
-multiply every rank's loss by world_size, as without CP, and the group's shares add up.
+arXiv 2407.21783 §3.3.2). The `size` ranks of a CP group (consecutive ranks: one node's fast links) take the same
+micro-batch and each computes a slice: every sequence is cut into 2*size chunks dealt head-tail (rank r takes chunks r
+and 2*size-1-r), which gives each rank the same causal attention work. A slice is a batch of query pieces over a
+longer key stream (packing.py's kv), each attending to its sequence's keys up to its own end, read from K/V
+all-gathered over the group in every layer. All else is per token; per-sequence sums are all-reduced over the group.
+Gradients: DDP / FSDP2 average over all ranks, so the scripts multiply every rank's loss by world_size, as without CP,
+and the group's shares add up.
 """
 import datetime
 from dataclasses import dataclass, replace
@@ -26,8 +23,7 @@ REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 
 
 class Gather(torch.autograd.Function):
-    """(T, ...) rows on each rank -> (size * T, ...), rank after rank; backward: each row's gradient, summed over the
-    ranks whose queries read it, back to the rank that computed it (reduce-scatter)."""
+    """(T, ...) rows on each rank -> (size * T, ...), rank after rank; backward: a reduce-scatter of the gradients."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -44,8 +40,8 @@ class Gather(torch.autograd.Function):
 
 
 class Sum(torch.autograd.Function):
-    """All-reduce (sum) forward, identity backward: every rank of the group computes the same loss from the sums, and
-    the ranks' gradients add up to that loss's gradient once (Megatron's reduce_from_tensor_model_parallel_region)."""
+    """All-reduce (sum) forward, identity backward: every rank computes the same loss from the sums, and the ranks'
+    gradients add up to its gradient once (Megatron's reduce_from_tensor_model_parallel_region)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -66,7 +62,7 @@ def ranges(starts, ends):
 
 @dataclass
 class ContextParallel:
-    """This rank's place in the device mesh: world = data_size x size. size 1: no CP (split() is the identity)."""
+    """This rank's place in the device mesh: world = data_size x size; size 1: no CP."""
     size: int = 1        # ranks sharing each micro-batch
     rank: int = 0        # this rank's place among them: which slice it computes
     data_rank: int = 0   # the data-parallel rank of its group (the loader's rank)
@@ -81,7 +77,7 @@ class ContextParallel:
         return Sum.apply(x, self.group)
 
     def broadcast(self, obj):
-        """-> obj as the group's first rank holds it (any picklable object; size 1: obj itself)."""
+        """-> obj (any picklable object) as the group's first rank holds it."""
         if self.size == 1:
             return obj
         box = [obj]
@@ -89,9 +85,8 @@ class ContextParallel:
         return box[0]
 
     def split(self, mb):
-        """This rank's slice of a group micro-batch (on the host, as make_batch returns it): its rows of every sequence
-        (chunks rank and 2*size-1-rank), padded at the end to the longest slice (the ranks' totals differ by one at
-        most), the padding rows a query segment of their own, last."""
+        """This rank's slice of a host micro-batch: its chunks of every sequence, padded at the end (a query segment of
+        its own) to the longest slice: the ranks' totals differ by one at most."""
         if self.size == 1:
             return mb
         C, r = self.size, self.rank

@@ -1,7 +1,6 @@
 """
 Generation with a KV cache on the packed stream: a batch of prompts is read once, in one packed prefill (however many
-replies each gets), then each new token is one decode step over the unfinished replies (no padding anywhere). Used by
-sample.py, evaluation and train_rl.py's sampling.
+replies each gets), then each new token is one decode step over the unfinished replies (no padding anywhere).
 """
 import numpy as np
 import torch
@@ -11,19 +10,15 @@ from model import varlen_attention
 
 
 class KVCache:
-    """Keys and values of a batch of sequences while generating: per layer a buffer (B, Hkv, capacity, D) whose row b
-    holds sequence b's keys at their positions. Each forward calls begin() once, then each layer attend(), which
-    writes the layer's new k, v at (row, position) and attends:
-      prefill (the first forward, each sequence from position 0): within the packed stream, as without a cache;
-      decode (one new token per row): over the row's positions 0..position, all rows in one SDPA call, on CUDA too.
-    keep(rows) drops finished sequences, so later decode steps compute the unfinished ones only."""
+    """Per layer a buffer (B, Hkv, capacity, D), row b holding sequence b's keys (values) at their positions. Each
+    forward calls begin() once, then each layer attend(): a prefill attends within the packed stream, as without a
+    cache; a decode step (one new token per row) over the row's positions 0..position, all rows in one SDPA call."""
 
     def __init__(self, batch_size, capacity):
         self.batch_size, self.capacity = batch_size, capacity
         self.k, self.v = [], []  # per layer (B, Hkv, capacity, D), made at the first write, in k's dtype
 
     def begin(self, position_ids, cu_seqlens, max_seqlen, sliding_window):
-        """Where this forward's tokens go and, in decode, which keys each one sees (max_seqlen counts cached tokens)."""
         T, B = position_ids.shape[0], cu_seqlens.shape[0] - 1
         assert B == self.batch_size, f"a forward with a cache of {self.batch_size} sequences got {B}"
         self.layer = 0  # the next attend() is this layer's
@@ -41,7 +36,6 @@ class KVCache:
     # eager even when compiled: in-place writes to a Python object's buffers, and no layer index to specialise on
     @torch.compiler.disable
     def attend(self, q, k, v, cu_seqlens, max_seqlen, sliding_window):
-        """q: (T, Hq, D), k, v: (T, Hkv, D) of the current layer -> (T, Hq, D)."""
         if self.layer == len(self.k):
             shape = (self.batch_size, k.shape[1], self.capacity, k.shape[2])
             self.k.append(k.new_zeros(shape))
@@ -59,7 +53,7 @@ class KVCache:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).reshape(B, H, D)
 
     def keep(self, rows):
-        """Keep these rows (a list of row indices), in this order, as rows 0..len(rows)-1."""
+        """Keep these rows (finished sequences leave), in this order, as rows 0..len(rows)-1."""
         for buffers in (self.k, self.v):
             for layer, buf in enumerate(buffers):
                 buffers[layer] = buf[torch.tensor(rows, dtype=torch.long, device=buf.device)]
@@ -68,9 +62,8 @@ class KVCache:
 
 def sample(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
     """(B, V) float logits -> (B,) next ids: argmax at temperature 0, else a draw from softmax(logits / temperature)
-    kept to the top_k tokens and to the nucleus, the fewest most likely tokens whose probability reaches top_p.
-    generator: one torch.Generator, one multinomial draw for the rows in order; or a list, one per row, each row
-    drawing from its own alone (the same tokens whatever else is in the batch)."""
+    kept to the top_k tokens and to the nucleus (the fewest most likely tokens reaching top_p). generator: one for all
+    rows, or a list, one per row (its tokens then the same whatever else is in the batch)."""
     if temperature == 0.0:
         return logits.argmax(-1)
     logits = logits / temperature
@@ -88,8 +81,8 @@ def sample(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
 
 
 def packed(pieces, starts, device):
-    """One forward's packed stream of token lists, each from position starts[i] on -> (ids, positions, cu_seqlens,
-    each piece's last token's index), made on the host (plan.py keeps them real under fake tensors)."""
+    """Token lists, each from position starts[i] on -> (ids, positions, cu_seqlens, each one's last index), made on
+    the host (plan.py keeps them real under fake tensors)."""
     lens = [len(p) for p in pieces]
     cu = np.cumsum([0] + lens)
     pos = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lens)])
@@ -101,12 +94,10 @@ def packed(pieces, starts, device):
 @torch.no_grad()
 def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k=None, generator=None,
              sync_ranks=False, kv_cache=True, num_samples=1, top_p=None):
-    """prompts: list of token-id lists. Returns the new tokens of num_samples replies to each prompt, reply j to prompt
-    i at i * num_samples + j (the stop token included when hit); each prompt is prefilled once and its cache row
-    copied to its replies. Sampling: see sample(); generator may be a list, one per reply. sync_ranks: under FSDP
-    every forward is a collective, so all ranks step together until every rank is done (a rank with nothing left
-    runs a one-token dummy forward). kv_cache=False re-reads every sequence whole for each new token: the reference
-    the cache is tested against. A reply also stops where prompt + reply fill the model's max_seq_len positions."""
+    """prompts: token-id lists -> the new tokens of num_samples replies to each, reply j to prompt i at i * num_samples
+    + j, the stop token included; a reply also stops where prompt + reply fill max_seq_len. sync_ranks (FSDP: every
+    forward is a collective): ranks step together until all are done, one with nothing left running a dummy forward.
+    kv_cache=False re-reads every sequence whole for each token: the reference the cache is tested against."""
     device = next(model.parameters()).device
     longest, positions = max(map(len, prompts), default=0), model.config.max_seq_len
     if longest >= positions:

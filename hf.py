@@ -1,7 +1,6 @@
 """
-Hugging Face checkpoints in and out: config.json <-> ModelConfig; safetensors read row by row from memory-mapped
-files (an FSDP2 rank reads only its own rows) and written tensor by tensor (FSDP2 rows gathered to rank 0's CPU); a
-folder's fingerprint.
+Hugging Face checkpoints in and out: config.json <-> ModelConfig; safetensors read row by row from memory-mapped files
+(an FSDP2 rank reads only its own rows), written tensor by tensor (FSDP2 rows gathered to rank 0); a fingerprint.
 """
 import hashlib
 import json
@@ -15,11 +14,11 @@ from model import ModelConfig, Transformer
 
 _HF_ARCH = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
             "mistral": "MistralForCausalLM", "smollm3": "SmolLM3ForCausalLM"}
+VOCAB_ROWS = ("embed_tokens.weight", "lm_head.weight")  # their rows past vocab_size are our padding
 
 
 def config_from_hf(hf, source="config.json"):
-    """Translate a Hugging Face config dict. A missing or mistyped key, or anything we would silently
-    compute differently, is a ValueError naming the file and the key."""
+    """A Hugging Face config dict -> ModelConfig; a key missing, mistyped or not supported is a ValueError."""
     def unsupported(key, why):
         raise ValueError(f"{source}: {key}={hf.get(key)!r} is not supported: {why}")
 
@@ -32,11 +31,8 @@ def config_from_hf(hf, source="config.json"):
                 raise ValueError(f"{source}: required key {name!r} is missing — the file is incomplete; "
                                  f"re-download the model or add the key")
             return default
-        if kind is bool:
-            ok = isinstance(v, bool)
-        else:
-            ok = isinstance(v, (int, float) if kind is float else int) and not isinstance(v, bool) and v > 0
-        if not ok:
+        number = isinstance(v, (int, float) if kind is float else int) and not isinstance(v, bool) and v > 0
+        if not (isinstance(v, bool) if kind is bool else number):
             what = "true or false" if kind is bool else f"a positive {kind.__name__}"
             raise ValueError(f"{source}: {name}={v!r} must be {what} — fix the value in the file")
         return v
@@ -57,7 +53,7 @@ def config_from_hf(hf, source="config.json"):
         unsupported(rope_key, 'expected an object such as {"rope_type": "linear", "factor": 2.0}')
     theta = (get("rope_theta", float, within=rope_key) if rope else None) or get("rope_theta", float, 10000.0)
     kind = rope.get("rope_type", rope.get("type", "default"))
-    needs = {"default": (), "linear": ("factor",),  # the keys rope_inv_freq reads
+    needs = {"default": (), "linear": ("factor",),  # the keys model.rope_tables reads
              "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
     if kind not in needs:
         unsupported(rope_key, f"rope_type {kind!r} (supported: default, linear, llama3)")
@@ -68,12 +64,10 @@ def config_from_hf(hf, source="config.json"):
     scaling = None if kind == "default" else {**{k: v for k, v in rope.items() if k not in ("type", "rope_theta")},
                                               "rope_type": kind}
     max_len = get("max_position_embeddings", default=2048)
-    window = None
-    if arch == "mistral":
-        window = get("sliding_window")
-    elif hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
+    if arch != "mistral" and hf.get("use_sliding_window") and hf.get("sliding_window") is not None:
         unsupported("use_sliding_window", "per-layer sliding windows (Qwen2/Qwen3 max_window_layers, SmolLM3 "
                                           "NoPE layers) are not implemented")
+    window = get("sliding_window") if arch == "mistral" else None
     if window is not None and window >= max_len:
         window = None  # a window no sequence can exceed changes nothing
     n_head, n_layer = get("num_attention_heads", required=True), get("num_hidden_layers", required=True)
@@ -116,8 +110,8 @@ def config_to_hf(cfg, dtype):
 
 
 def _gather_rows(t, write):
-    """A full tensor on the writer's (mesh rank 0's) CPU from an FSDP2 DTensor (dim 0 in torch.chunk pieces), received
-    rank by rank through one shard-sized buffer; the others send their rows and get None. A plain tensor: as it is."""
+    """An FSDP2 DTensor (dim 0 in torch.chunk pieces) whole on mesh rank 0's CPU, received rank by rank through one
+    shard-sized buffer; the other ranks send their rows and get None. A plain tensor: as it is."""
     if not hasattr(t, "to_local"):
         return t
     local, mesh = t.to_local(), t.device_mesh
@@ -160,7 +154,7 @@ def _hf_key(name):
 
 
 def read_hf_config(path):
-    """The ModelConfig of a Hugging Face model folder, from its config.json alone (no weights read)."""
+    """A Hugging Face folder's ModelConfig, from its config.json alone."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.exists(cfg_path):
         raise FileNotFoundError(f"{cfg_path} not found: point to a Hugging Face model folder "
@@ -182,8 +176,7 @@ def _read_json_object(path):
 
 
 class SafetensorsFolder:
-    """The tensors of a model folder (model.safetensors, or shards listed by model.safetensors.index.json),
-    memory-mapped: names and shapes come from the headers, and read() copies only the rows asked for."""
+    """A folder's model.safetensors (or the shards its index lists), memory-mapped: read() copies only those rows."""
 
     def __init__(self, path):
         from safetensors import SafetensorError, safe_open
@@ -219,16 +212,13 @@ class SafetensorsFolder:
     def shape(self, key):
         return tuple(self.files[key].get_slice(key).get_shape())
 
-    def read(self, key, start=0, stop=None):
-        """Rows start:stop of a tensor (all of a 1-D one's elements in that range), as a new CPU tensor."""
+    def read(self, key, start=0, stop=None):  # rows start:stop (a 1-D tensor's elements), a new CPU tensor
         return self.files[key].get_slice(key)[start:stop]
 
 
 def fingerprint(path, rows=16):
-    """What identifies a model folder's weights, read cheaply: config.json, and each tensor's name, shape, dtype and
-    `rows` of its rows spread evenly (a 1-D tensor whole), hashed. Other weights of the same shapes (another model, a
-    retrained one) differ in every sampled row; one edited row is caught only where sampled. The same weights in
-    other shards give the same value."""
+    """A cheap hash of a folder's weights: config.json, and each tensor's name, shape, dtype and `rows` of its rows
+    spread evenly (a 1-D tensor whole), whatever the sharding. One edited row is caught only where sampled."""
     files = SafetensorsFolder(path)
     with open(os.path.join(path, "config.json"), "rb") as f:
         h = hashlib.sha256(f.read())
@@ -241,9 +231,7 @@ def fingerprint(path, rows=16):
 
 
 def from_pretrained(path, dtype=None, device="cpu"):
-    """A Transformer from a local Hugging Face Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder; dtype None keeps
-    the checkpoint's. Every problem with the folder is one ValueError or FileNotFoundError naming the file.
-    Built on the meta device, then each tensor is read straight into its parameter: peak memory, model + one tensor."""
+    """A Transformer from a Hugging Face folder (dtype None: the checkpoint's); peak memory: model + one tensor."""
     config = read_hf_config(path)
     files = SafetensorsFolder(path)
     with torch.device("meta"):
@@ -255,9 +243,8 @@ def from_pretrained(path, dtype=None, device="cpu"):
 
 @torch.no_grad()
 def load_hf_weights(model, files, params=None):
-    """Fill a placed model's parameters from a Hugging Face folder (a path or a SafetensorsFolder) after checking every
-    name and shape against config.json. An FSDP2 shard (dim 0 in torch.chunk pieces) reads only its own rows.
-    params: the (name, parameter) pairs to fill, by default all of them (LoRA: the base's, not the adapters')."""
+    """Fill a placed model's parameters (params: (name, parameter) pairs, LoRA's base) from a Hugging Face folder, a
+    path or a SafetensorsFolder, after checking every name and shape; an FSDP2 shard reads only its own rows."""
     files = files if isinstance(files, SafetensorsFolder) else SafetensorsFolder(files)
     params = list(model.named_parameters() if params is None else params)
     path, cfg = files.path, model.config
@@ -272,8 +259,7 @@ def load_hf_weights(model, files, params=None):
             raise ValueError(f"{path}: tensor {key!r} missing from the checkpoint{hint} — the weights and "
                              f"config.json do not match; re-download or re-export the model")
         unused.discard(key)
-        vocab_rows = name in ("embed_tokens.weight", "lm_head.weight")
-        want = (cfg.vocab_size, *p.shape[1:]) if vocab_rows else tuple(p.shape)
+        want = (cfg.vocab_size, *p.shape[1:]) if name in VOCAB_ROWS else tuple(p.shape)
         if files.shape(key) != want:
             raise ValueError(f"{path}: tensor {key!r} has shape {files.shape(key)}, config.json implies {want} "
                              f"— the weights and config.json come from different models")
@@ -282,12 +268,12 @@ def load_hf_weights(model, files, params=None):
                          f"{cfg.arch} config.json, e.g. {sorted(unused)[:3]} — the weights belong to "
                          f"another architecture or config.json is wrong; re-export the model")
     for name, p in params:
-        local = p.to_local() if hasattr(p, "to_local") else p
-        start = 0
+        local, start = p, 0
         if hasattr(p, "to_local"):  # Shard(0): rank r holds rows [r * ceil(n / W), ...), as torch.chunk splits
+            local = p.to_local()
             start = min(p.shape[0], p.device_mesh.get_local_rank() * -(-p.shape[0] // p.device_mesh.size()))
         stop = start + local.shape[0]
-        if name in ("embed_tokens.weight", "lm_head.weight"):  # rows past vocab_size are our padding
+        if name in VOCAB_ROWS:
             stop = max(start, min(stop, cfg.vocab_size))
         rows = files.read(_hf_key(name), start, stop)
         tied_differs = tied_copy and not torch.equal(rows, files.read("lm_head.weight", start, stop))
@@ -300,17 +286,15 @@ def load_hf_weights(model, files, params=None):
 
 
 def save_pretrained(model, path, max_shard_bytes=5 * 2**30, state=None):
-    """Write config.json + safetensors (sharded with an index past max_shard_bytes) that transformers loads: headers
-    first, from the shapes, then one tensor at a time. Under FSDP2 every rank calls this and sends its rows to global
-    rank 0. state: what to write instead of model.state_dict() (LoRA: the merged weights), with the same names."""
+    """config.json + safetensors that transformers loads (an index past max_shard_bytes), one tensor at a time; under
+    FSDP2 every rank calls it and sends its rows to rank 0. state: instead of model.state_dict() (LoRA's merged)."""
     state = model.state_dict() if state is None else state  # FSDP2: DTensors, each rank holding its own rows
     if dist.is_initialized() and dist.get_rank() != 0:  # send this rank's rows, tensor by tensor as rank 0 writes
         for t in state.values():
             _gather_rows(t.detach(), write=False)
         return
     V = model.config.vocab_size
-    shapes = {name: (V if name in ("embed_tokens.weight", "lm_head.weight") else t.shape[0], *t.shape[1:])
-              for name, t in state.items()}  # without our vocab padding
+    shapes = {name: (V if name in VOCAB_ROWS else t.shape[0], *t.shape[1:]) for name, t in state.items()}
     sizes = {name: math.prod(shapes[name]) * t.element_size() for name, t in state.items()}
     shards, size = [[]], 0
     for name, nbytes in sizes.items():

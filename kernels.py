@@ -21,8 +21,6 @@ if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
 
 IGNORE_INDEX = -100
 
-# RoPE: Q and K in one launch, reading the packed position ids ---------------------------------------------------------
-
 if HAS_TRITON:
     @triton.jit
     def _rotate_tile(x_ptr, out_ptr, stride_t, stride_h, n_head, tok, cos, sin,
@@ -82,12 +80,10 @@ if HAS_TRITON:
         return q.new_empty(q.shape), k.new_empty(k.shape)  # contiguous, as the kernel writes them
 
     def _rope_setup_context(ctx, inputs, output):
-        _, _, cos, sin, position_ids, _ = inputs
-        ctx.save_for_backward(cos, sin, position_ids)
+        ctx.save_for_backward(*inputs[2:5])  # cos, sin, position_ids
 
     def _rope_backward(ctx, grad_q, grad_k):
-        cos, sin, position_ids = ctx.saved_tensors
-        grad_q, grad_k = _rope_op(grad_q, grad_k, cos, sin, position_ids, True)
+        grad_q, grad_k = _rope_op(grad_q, grad_k, *ctx.saved_tensors, True)
         return grad_q, grad_k, None, None, None, None  # cos/sin are fixed buffers, positions are ints
 
     _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
@@ -109,9 +105,7 @@ def rope_fused(q, k, cos, sin, position_ids):
     return _rope_op(q, k, cos, sin, position_ids.contiguous(), False)
 
 
-# LM head + loss over chunks of tokens: peak memory O(chunk * vocab), never O(T * vocab) -------------------------------
-
-# A chunk holds two (chunk, vocab) float32 buffers: 2048 x 128k x 4 bytes = 1 GiB each, still a large matmul.
+# a chunk's two (chunk, vocab) float32 buffers: 2048 x 128k x 4 bytes = 1 GiB each, and still a large matmul
 LOSS_CHUNK = 2048
 
 
@@ -127,8 +121,8 @@ def _chunk_logprobs(h, w, targets, vocab_size):
 
 
 def _chunk_grads(logp, h, w, targets, scale, dtype, need_w):
-    """Gradients of -sum_t scale_t * log p_t over one chunk (logp is consumed): d/dlogits = softmax - onehot.
-    -> (grad_h (C, d) in dtype, grad_w (V, d) float32, or None for a frozen head: LoRA's)."""
+    """Gradients of -sum_t scale_t * log p_t over one chunk, consuming logp: d/dlogits = softmax - onehot.
+    -> (grad_h (C, d) in dtype, grad_w (V, d) float32, None for a frozen head: LoRA's)."""
     g = logp.exp_()
     g[torch.arange(len(targets), device=g.device), targets] -= 1.0
     if scale is not None:
@@ -168,8 +162,7 @@ def _loss_and_grads(h, w, targets, vocab_size, scales, dtype, need_grad, need_w=
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """sum_t weight_t * CE(h_t @ W^T, target_t). The weights are known up front, so the gradients are computed
-    chunk by chunk in the forward (3 matmuls per chunk, not 4) and the backward only scales them."""
+    """sum_t weight_t * CE(h_t @ W^T, target_t), its gradients computed in the forward (3 matmuls a chunk, not 4)."""
 
     @staticmethod
     def forward(ctx, h, w, targets, vocab_size, weights, need_grad):
@@ -188,8 +181,7 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    """Per-token log p(target_t) for a loss not known in advance (DPO): the backward recomputes each chunk's
-    logits instead of keeping them (4 matmuls per chunk, memory O(chunk * vocab))."""
+    """Per-token log p(target_t) for a loss not known in advance (DPO): the backward recomputes each chunk's logits."""
 
     @staticmethod
     def forward(ctx, h, w, targets, vocab_size):

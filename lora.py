@@ -1,11 +1,10 @@
 """
 LoRA and QLoRA: low-rank adapters on a Transformer's block linears, the base frozen (QLoRA: stored in 4-bit NF4).
 
-A LoRALinear *is* the nn.Linear it replaces (the same weight and bias parameters, under the same names, so Hugging
-Face I/O and FSDP2 see the base unchanged), plus lora_A (r, in) and lora_B (out, r):
+A LoRALinear *is* the nn.Linear it replaces (its weight and bias under the same names: Hugging Face I/O and FSDP2
+see the base unchanged), plus lora_A (r, in) and lora_B (out, r):
     y = x W^T + b + scale * dropout(x) A^T B^T,   scale = alpha / r,   B = 0 at the start (step 0 is the base)
 Switched off (adapters_disabled) it is the base exactly: DPO's reference without a second model or a cache.
-Out: merged_state_dict (W + scale B A, for hf.save_pretrained) and save_adapter (a PEFT folder).
 """
 import contextlib
 import importlib.util
@@ -31,8 +30,7 @@ class LoRALinear(nn.Linear):
 
 
 def check_settings(c, world_size=1):
-    """The LoRA keys of a config (lora_rank 0: full fine-tuning, the others unused), before any work: a mistake raises
-    ValueError('key=value; what is accepted')."""
+    """The LoRA keys of a config, checked before any work: ValueError('key=value; what is accepted')."""
     def bad(key, accepted):
         raise ValueError(f"{key}={c[key]!r}; {accepted}")
 
@@ -60,8 +58,7 @@ def check_settings(c, world_size=1):
 
 
 def add_adapters(model, rank, alpha, dropout=0.0, targets=TARGETS):
-    """Freeze the model and give each target linear of every block (check_settings' names) rank-`rank` adapters
-    (initialised unless the model is on the meta device: then init_adapters after placing it). Returns the model."""
+    """Freeze the model, give each target linear of every block adapters (on the meta device: init_adapters later)."""
     linears = [(n, m) for n, m in model.layers.named_modules(prefix="layers") if n.rsplit(".", 1)[-1] in targets]
     name, m = min(linears, key=lambda x: min(x[1].in_features, x[1].out_features))
     if rank > min(m.in_features, m.out_features):  # past that, a rank adds parameters and no capacity
@@ -69,26 +66,22 @@ def add_adapters(model, rank, alpha, dropout=0.0, targets=TARGETS):
                          f"{m.in_features} -> {m.out_features}); choose at most {min(m.in_features, m.out_features)}")
     model.requires_grad_(False)
     for _, linear in linears:
-        _to_lora(linear, rank, alpha, dropout)
+        # the module itself becomes a LoRALinear (as fully_shard turns modules into FSDP modules): the base keeps its
+        # Parameter objects, hooks and place in the model, and this works on the meta device
+        linear.__class__ = LoRALinear
+        w = linear.weight
+        linear.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
+        linear.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, device=w.device, dtype=w.dtype))
+        linear.scale, linear.enabled, linear.dropout = alpha / rank, True, nn.Dropout(dropout)
     if not model.embed_tokens.weight.is_meta:
         init_adapters(model)
     return model
 
 
-def _to_lora(linear, rank, alpha, dropout):
-    # the module itself becomes a LoRALinear (as fully_shard turns modules into FSDP modules): the base keeps its
-    # Parameter objects, hooks and place in the model, and this works on the meta device
-    linear.__class__ = LoRALinear
-    w = linear.weight
-    linear.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
-    linear.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, device=w.device, dtype=w.dtype))
-    linear.scale, linear.enabled, linear.dropout = alpha / rank, True, nn.Dropout(dropout)
-
-
 @torch.no_grad()
 def init_adapters(model, seed=0):
-    """A as nn.Linear's (and peft's) default, kaiming-uniform; B zero. Drawn whole from a seeded generator, so a
-    process holding FSDP2 shards gets the same values as one holding it all."""
+    """A kaiming-uniform (nn.Linear's and peft's default), B zero; drawn whole from a seeded generator, so FSDP2
+    shards get the values one process holding it all would."""
     gen = torch.Generator().manual_seed(seed)
     for module in adapted(model):
         a = torch.empty(tuple(module.lora_A.shape))
@@ -97,8 +90,7 @@ def init_adapters(model, seed=0):
         _copy_rows(module.lora_B, torch.zeros(tuple(module.lora_B.shape)))
 
 
-def _copy_rows(param, full):
-    """Copy a whole tensor into a parameter, or into this rank's rows of an FSDP2 (Shard(0)) DTensor."""
+def _copy_rows(param, full):  # an FSDP2 (Shard(0)) DTensor takes this rank's rows
     if hasattr(param, "to_local"):
         from torch.distributed.tensor import distribute_tensor
         full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
@@ -139,20 +131,18 @@ def quantize_base(model, block_size=64, scaler_block_size=256):
         from torchao.quantization import to_nf4
     except ImportError:
         raise ImportError("quantize_base='nf4' needs torchao: pip install torchao") from None
-    kept = []
-    for name, m in model.named_modules():
-        if isinstance(m, LoRALinear):
-            if m.weight.numel() % (block_size * scaler_block_size):  # torchao's blocks must tile the weight
-                kept.append(name)
-                continue
-            m.weight = nn.Parameter(to_nf4(m.weight.detach(), block_size, scaler_block_size), requires_grad=False)
+    tile = block_size * scaler_block_size  # torchao's blocks must tile the weight
+    kept = [name for name, m in model.named_modules() if isinstance(m, LoRALinear) and m.weight.numel() % tile]
     if len(kept) == len(adapted(model)):
-        raise ValueError(f"quantize_base='nf4': none of the {len(kept)} adapted weights is a multiple of "
-                         f"{block_size * scaler_block_size} values (NF4 blocks), so nothing would be 4-bit and QLoRA "
-                         f"would be plain LoRA; drop quantize_base for this model")
+        raise ValueError(f"quantize_base='nf4': none of the {len(kept)} adapted weights is a multiple of {tile} "
+                         f"values (NF4 blocks), so nothing would be 4-bit and QLoRA would be plain LoRA; drop "
+                         f"quantize_base for this model")
+    for m in adapted(model):
+        if m.weight.numel() % tile == 0:
+            m.weight = nn.Parameter(to_nf4(m.weight.detach(), block_size, scaler_block_size), requires_grad=False)
     if kept:
         print0(f"quantize_base: {len(kept)} weight(s) stay in {model.embed_tokens.weight.dtype}, their size is not a "
-               f"multiple of {block_size * scaler_block_size} (NF4 blocks), e.g. {kept[0]}")
+               f"multiple of {tile} (NF4 blocks), e.g. {kept[0]}")
     return kept
 
 
@@ -171,8 +161,7 @@ def dense(w):
 
 @torch.no_grad()
 def merged_state_dict(model):
-    """model.state_dict() with each adapted weight replaced by W + scale * B A and no adapter entries: the network
-    a merged export holds. Under FSDP2 the entries stay DTensors, each rank merging its own rows."""
+    """model.state_dict() with each adapted weight W + scale * B A, no adapter entries (FSDP2: each rank its rows)."""
     state = model.state_dict()
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
@@ -183,8 +172,7 @@ def merged_state_dict(model):
 
 
 def save_adapter(model, path, base_model_name_or_path, rank, alpha, dropout, targets):
-    """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors with peft's names) that
-    peft.PeftModel.from_pretrained(base, path) loads. Every rank calls it (FSDP2 gathers); rank 0 writes."""
+    """A PEFT folder that peft.PeftModel.from_pretrained(base, path) loads; every rank calls it, rank 0 writes."""
     from safetensors.torch import save
     import torch.distributed as dist
     tensors = {}

@@ -7,11 +7,9 @@ Several sequences are concatenated into one stream of T tokens with no padding:
   cu_seqlens   (N+1,)  int32 sequence boundaries: sequence i is [cu_seqlens[i], cu_seqlens[i+1])
   max_seqlen   int     the longest sequence (the attention kernels want it on the host)
 Attention never crosses a boundary, so the stream computes exactly what N separate padded rows would.
-Optional kv = (kv_index, cu_seqlens_k, max_seqlen_k): keys and values are k[kv_index], a stream of their own, so a
-segment may attend to tokens outside it (a reply to its prompt, laid out once: packing.py); causal attention is then
-aligned at the bottom right, a segment's last query seeing all of its keys. A 4th element, a context-parallel group
-(context.py): kv_index then reads the K/V rows of the whole group, all-gathered.
-The fused kernels are in kernels.py, Hugging Face I/O in hf.py, the KV cache in generate.py.
+Optional kv = (kv_index, cu_seqlens_k, max_seqlen_k[, context-parallel group]): keys and values are k[kv_index], a
+stream of their own (a reply reads its prompt, laid out once: packing.py), causal attention aligned at the bottom
+right; with a group (context.py), kv_index reads the whole group's K/V rows, all-gathered.
 """
 import inspect
 import math
@@ -37,8 +35,6 @@ except ImportError:
     varlen_attn = None
 # its keywords changed across releases (2.10: is_causal; later: window_size, then enable_gqa): we call what is there
 VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
-
-# Config ---------------------------------------------------------------------------------------------------------------
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3")  # Hugging Face model_type values
 
@@ -80,6 +76,7 @@ class ModelConfig:
         self.padded_vocab_size = -(-self.vocab_size // 64) * 64
 
 
+LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)  # all Llama 3.x
 PRESETS = {
     # ~0.1M parameters: tests and smoke runs of the training scripts
     "tiny": dict(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, ffn_hidden=128, max_seq_len=2048),
@@ -98,16 +95,13 @@ PRESETS = {
                        tie_embeddings=True, arch="qwen3"),
     "llama-3.2-1b": dict(vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, d_model=2048, ffn_hidden=8192,
                          rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True,
-                         rope_scaling=dict(rope_type="llama3", factor=32.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+                         rope_scaling=dict(rope_type="llama3", factor=32.0, **LLAMA3_ROPE)),
     "llama-3.1-8b": dict(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, ffn_hidden=14336,
                          rope_theta=500000.0, max_seq_len=131072,
-                         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                           high_freq_factor=4.0, original_max_position_embeddings=8192)),
+                         rope_scaling=dict(rope_type="llama3", factor=8.0, **LLAMA3_ROPE)),
     "llama-3.1-70b": dict(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, ffn_hidden=28672,
                           rope_theta=500000.0, max_seq_len=131072,
-                          rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                                            high_freq_factor=4.0, original_max_position_embeddings=8192)),
+                          rope_scaling=dict(rope_type="llama3", factor=8.0, **LLAMA3_ROPE)),
 }
 
 
@@ -116,8 +110,6 @@ def config_from_preset(name, **overrides):
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}")
     return ModelConfig(**{**PRESETS[name], **overrides})
 
-
-# RMSNorm --------------------------------------------------------------------------------------------------------------
 
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
@@ -131,9 +123,8 @@ class RMSNorm(nn.Module):
         return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
 
-# RoPE: inverse frequencies (with Llama-3 / linear scaling), the eager reference, dispatch to the fused kernel ---------
-
-def rope_inv_freq(config):
+def rope_tables(config, device):
+    """cos, sin: (max_seq_len, D/2) float32, looked up by position id."""
     dim, base = config.head_dim, config.rope_theta
     inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))  # (D/2,)
     scaling = config.rope_scaling or {}
@@ -152,19 +143,12 @@ def rope_inv_freq(config):
         inv_freq = torch.where(is_medium, smoothed, scaled)
     elif kind != "default":
         raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
-    return inv_freq
-
-
-def rope_tables(config, device):
-    """cos, sin: (max_seq_len, D/2) float32, looked up by position id."""
-    inv_freq = rope_inv_freq(config).to(device)
-    freqs = torch.outer(torch.arange(config.max_seq_len, device=device, dtype=torch.float32), inv_freq)
+    freqs = torch.outer(torch.arange(config.max_seq_len, device=device, dtype=torch.float32), inv_freq.to(device))
     return freqs.cos(), freqs.sin()
 
 
 def rope_reference(q, k, cos, sin, position_ids):
-    """q: (T, Hq, D), k: (T, Hkv, D); cos/sin: (P, D/2) float32; position_ids: (T,) int64.
-    Non-interleaved (Hugging Face 'rotate_half') layout, math in float32, result in the input dtype."""
+    """q: (T, Hq, D), k: (T, Hkv, D); cos/sin: (P, D/2) float32. Hugging Face's rotate_half layout, math in float32."""
     c, s = cos[position_ids][:, None, :], sin[position_ids][:, None, :]  # (T, 1, D/2)
 
     def rotate(x):
@@ -187,8 +171,6 @@ def apply_rope(q, k, cos, sin, position_ids):
     return rope_reference(q, k, cos, sin, position_ids)
 
 
-# Attention over a packed stream: one dispatch function, backend chosen once per device type ---------------------------
-
 _ATTN_BACKEND = {}  # device type -> backend name; tests may set it to force a backend
 
 
@@ -202,9 +184,8 @@ def attention_backend(device, dtype):
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_seqlens_k=None, max_seqlen_k=None):
-    """Causal attention within each packed sequence. q: (T, Hq, D), k/v: (T, Hkv, D) -> (T, Hq, D).
-    With cu_seqlens_k, k/v are (Tk, Hkv, D) and query segment i attends to key segment i, aligned at the
-    bottom right (its last query sees every key): flash-attn's causal semantics, which torch's varlen_attn shares."""
+    """Causal attention within each packed sequence: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D). With cu_seqlens_k,
+    k/v are (Tk, Hkv, D), query segment i attending to key segment i aligned at the bottom right (as flash-attn)."""
     backend = attention_backend(q.device, q.dtype)
     left = -1 if sliding_window is None else sliding_window - 1  # tokens seen before the query
     cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
@@ -222,17 +203,14 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_se
 
 @torch.compiler.disable  # a Python loop over a data-dependent number of sequences: run eagerly, never traced
 def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=None):
-    """Exact fallback for any device: one SDPA call per sequence, so memory is O(max L^2), not O(T^2); the loop and
-    its .tolist() sync are fine on CPU. K/V are repeated for GQA: SDPA's enable_gqa takes a slow math path on CPU."""
-    groups = q.shape[1] // k.shape[1]
+    """Exact fallback for any device: one SDPA call per sequence, memory O(max L^2), not O(T^2)."""
+    groups = q.shape[1] // k.shape[1]  # K/V repeated: SDPA's enable_gqa takes a slow math path on CPU
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    # split, not slicing in the loop: the backward of split is one cat, a slice's is a zero (T, H, D) each
-    # the boundaries read as they are, then subtracted on the host: an op on cu_seqlens first would make its result
-    # data-dependent under fake tensors (plan.py passes real cu_seqlens to a model of fake parameters)
+    # lengths on the host from cu_seqlens as it is: an op on it first is data-dependent under fake tensors (plan.py)
     lens = np.diff(cu_seqlens.tolist()).tolist()
     k_lens = lens if cu_seqlens_k is None else np.diff(cu_seqlens_k.tolist()).tolist()
     outs = []
-    # 4-D (1, H, L, D): with 3-D inputs CPU SDPA takes its slower math path (O(L^2) memory), not flash
+    # split, not slices: its backward is one cat; 4-D (1, H, L, D): 3-D inputs take CPU SDPA's O(L^2) math path
     for qi, ki, vi in zip(q.split(lens), k.split(k_lens), v.split(k_lens)):
         qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
         Lq, Lk = qi.shape[2], ki.shape[2]
@@ -282,8 +260,6 @@ class Attention(nn.Module):
         return self.o_proj(y.reshape(T, -1))
 
 
-# MLP and Block --------------------------------------------------------------------------------------------------------
-
 class MLP(nn.Module):
     def __init__(self, config):
         super().__init__()
@@ -307,8 +283,6 @@ class Block(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), rope, position_ids, cu_seqlens, max_seqlen, kv, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
-# The model ------------------------------------------------------------------------------------------------------------
 
 class Transformer(nn.Module):
     def __init__(self, config):
@@ -379,15 +353,12 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, targets=None,
                 loss_weights=None, logprobs=False, logits_at=None, cache=None, target_rows=None, kv=None):
-        """Three uses, all through forward so that the DDP / FSDP2 wrappers' hooks run (gradient sync, all-gathers):
-          targets:                 (summed cross-entropy float32, number of targets), without full logits;
-                                   loss_weights (T,) weights each position's loss (e.g. 1/len per sequence)
-          targets, logprobs=True:  (T,) float32 log p(targets[t]) per position, 0 where ignored (DPO)
+        """All uses go through forward, so that the DDP / FSDP2 wrappers' hooks run (gradient sync, all-gathers):
+          targets:                 (summed cross-entropy float32, number of targets), loss_weights (T,) per position
+          targets, logprobs=True:  (T,) float32 log p(targets[t]), 0 where ignored (DPO)
           no targets:              logits (T, vocab_size), or only at the rows logits_at (generation)
-        targets (T,): the token each position must predict, IGNORE (-100) where none (packing.py shifts them); with
-        target_rows (K,), the token hidden row target_rows[i] must predict (a shared prompt's last row predicts two).
-        kv: the key/value stream of the module docstring. cache (generate.KVCache; no gradients): a prefill of whole
-        prompts, then one new token per sequence per call, max_seqlen counting the cached tokens too."""
+        targets (T,): each position's next token, -100 where none; with target_rows (K,), row target_rows[i]'s (a
+        shared prompt's last row predicts two). cache: generate.KVCache, max_seqlen counting the cached tokens."""
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv, cache)
         if target_rows is not None:
             h = h.index_select(0, target_rows)  # (K, d): the gradient of a row used twice is summed
@@ -400,11 +371,10 @@ class Transformer(nn.Module):
         return kernels.chunked_cross_entropy(h, w, targets, V, loss_weights)
 
     def flops_per_token(self, seq_lens, head_tokens=None, key_lens=None):
-        """Training FLOPs per real token of a packed batch with these sequence lengths: 6 per matmul parameter
-        (2 forward, 2 input gradient, 2 weight gradient if it trains), plus causal attention from the *actual*
-        lengths, 6 * n_layer * H * D * sum(L^2) / sum(L) (QK^T and AV: 4*L^2*H*D, halved by the mask, x3 with backward).
-        Lookups are no matmuls; head_tokens counts the LM head on target tokens alone. key_lens: Lq queries over Lk
-        keys (bottom-right causal, prefix sharing) score Lq * (2 Lk - Lq) / 2 pairs."""
+        """Training FLOPs per real token of a packed batch: 6 per matmul parameter (4 if frozen: no weight gradient),
+        plus causal attention from the actual lengths, 6 * n_layer * H * D * sum(L^2) / sum(L) (QK^T and AV: 4 L^2 H D,
+        halved by the mask, x3 with backward); Lq queries over key_lens Lk score Lq (2 Lk - Lq) / 2 pairs.
+        head_tokens: the LM head runs on the target tokens alone."""
         cfg = self.config
         lens = torch.as_tensor(seq_lens, dtype=torch.float64)
         n_tokens = float(lens.sum())

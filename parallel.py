@@ -1,7 +1,6 @@
 """
-Processes and devices: torchrun's ranks (or one plain process), one live run per out_dir, workers that stop with
-their launcher, printing (and failing) once, sums over ranks, the DDP / FSDP2 wrap, gradient sync on a step's last
-micro-batch only, and the precision a run computes in.
+Processes and devices: torchrun's ranks (or one plain process), one live run per out_dir, workers that stop with their
+launcher, printing (and failing) once, sums over ranks, the DDP / FSDP2 wrap, gradient sync, and precision.
 """
 import atexit
 import ctypes
@@ -23,8 +22,8 @@ PARENT_AT_START = os.getppid()  # under torchrun the launcher, read when the scr
 
 
 def setup_distributed(device="auto", timeout_s=300):
-    """-> (rank, world_size, device): torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; a plain `python script.py` is rank 0
-    of 1. NCCL on CUDA, gloo on CPU; a collective waiting past timeout_s (a dead rank) fails instead of hanging."""
+    """-> (rank, world_size, device) from torchrun's environment (a plain process: 0 of 1); NCCL on CUDA, gloo on CPU,
+    a collective waiting past timeout_s (a dead rank) failing instead of hanging."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device == "auto":
@@ -40,8 +39,8 @@ def setup_distributed(device="auto", timeout_s=300):
 
 
 def stop_with_launcher():
-    """A worker gets SIGTERM when its launcher dies, even by SIGKILL (torchrun starts each worker in a session of its
-    own: nothing else would reach it), so it saves a checkpoint and exits instead of training on into out_dir."""
+    """SIGTERM when the launcher dies, even by SIGKILL (torchrun puts each worker in a session of its own: nothing
+    else would reach it), so a worker saves a checkpoint and exits instead of training on into out_dir."""
     if sys.platform == "linux":
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
         if os.getppid() != PARENT_AT_START:  # it died before the line above: no signal will come
@@ -49,8 +48,8 @@ def stop_with_launcher():
 
 
 def lock_out_dir(out_dir):
-    """One live run per out_dir: rank 0 holds an flock on out_dir/run.lock for its whole life, and the kernel drops it
-    when the process dies, however it dies. Who holds it is written inside, for the line a second run stops with."""
+    """One live run per out_dir: rank 0 holds an flock on out_dir/run.lock, which the kernel drops however the process
+    dies; the holder is written inside, for the line a second run stops with."""
     if not is_master():
         return
     path = os.path.join(out_dir, "run.lock")
@@ -74,10 +73,8 @@ def lock_out_dir(out_dir):
 
 
 def teardown_distributed(code=0):
-    """The end of a script: exit with `code`. A process group is destroyed, then the process ends without Python's
-    finalization: the DDP / FSDP2 model (and FSDP2's cached mesh) keep the group, and so gloo's worker threads, alive
-    past destroy_process_group, and a worker that frees a tensor while the interpreter finalizes is killed inside a
-    C++ destructor: std::terminate, exit -6 after a finished run (torch 2.13, Python 3.11)."""
+    """Exit with `code`; with a process group, destroy it and skip Python's finalization: the wrapped model keeps
+    gloo's threads alive, and freeing a tensor while the interpreter finalizes dies in std::terminate (exit -6)."""
     if dist.is_initialized():
         dist.barrier()  # no rank tears down while another still talks to it
         dist.destroy_process_group()
@@ -99,8 +96,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Exit with message, printed once: by rank 0, while the other ranks wait for torchrun to stop them (were they to
-    exit first, torchrun could stop rank 0 before it prints)."""
+    """Exit with message, printed by rank 0; the others wait for torchrun to stop them (exiting first, they could get
+    rank 0 stopped before it prints)."""
     if not is_master():
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # torchrun's SIGTERM stops this rank, whatever a run set
         time.sleep(30)
@@ -108,8 +105,7 @@ def fail(message):
 
 
 def all_reduce_sum(values, device):
-    """Sum a list of floats over all ranks (one collective). Metrics are sums and counts reduced this way,
-    divided afterwards, so an average over ranks with different token counts is still exact."""
+    """Sum a list of floats over all ranks in one collective: sums and counts, divided afterwards, average exactly."""
     t = torch.tensor(values, dtype=torch.float64, device=device)
     if dist.is_initialized():
         dist.all_reduce(t)
@@ -117,8 +113,8 @@ def all_reduce_sum(values, device):
 
 
 def wrap_model(model, parallel, world_size, param_dtype):
-    """DDP, or FSDP2 `fully_shard` per block then on the root (torchtitan's layout); parallel None: as it is.
-    FSDP2 keeps float32 sharded master weights and computes in param_dtype; gradients are reduced in float32."""
+    """DDP, or FSDP2 `fully_shard` per block then on the root (torchtitan's layout): float32 sharded master weights,
+    computing in param_dtype, gradients reduced in float32. parallel None: the model as it is."""
     if world_size == 1 or parallel is None:
         return model
     if parallel == "ddp":
@@ -135,15 +131,13 @@ def wrap_model(model, parallel, world_size, param_dtype):
 
 
 def sync_gradients(model, enabled):
-    """A context for one micro-batch's backward: DDP reduces gradients only when enabled (the step's last
-    micro-batch). FSDP2 reduce-scatters every micro-batch, as torchtitan does: skipping it would hold every rank's
-    whole unsharded float32 gradient between micro-batches (30 GiB for an 8B: plan.py), not 1/world of it."""
+    """DDP reduces gradients only when enabled (a step's last micro-batch). FSDP2 reduce-scatters each one, as
+    torchtitan does: skipping would hold the whole unsharded float32 gradient (30 GiB for an 8B), not 1/world of it."""
     return model.no_sync() if hasattr(model, "no_sync") and not enabled else nullcontext()
 
 
 def precision(device, dtype, parallel, world_size):
-    """-> (dtype name, torch dtype, autocast context). 'auto' is bfloat16 on CUDA, float32 elsewhere. DDP / one
-    process: float32 master weights and autocast; FSDP2: no autocast, its mixed-precision policy casts (wrap_model)."""
+    """-> (dtype name, torch dtype, autocast context); 'auto': bfloat16 on CUDA. FSDP2: its policy casts instead."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" else "float32"
     ptdtype = getattr(torch, dtype)

@@ -8,9 +8,8 @@ Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder.
     python sample.py --model=~/models/Qwen3-0.6B --chat_template_kwargs="{'enable_thinking': False}"
 
 A reply is printed as the model writes it, special tokens included (<think>...</think>, <tool_call>...), the token
-that ends it left out; in a chat it goes back into the history as written, for the template to render. It ends at
-max_new_tokens, or where prompt + reply fill the model's max_seq_len (a note says so); a chat that outgrows the
-model drops its oldest turns, and says so.
+that ends it left out, and goes back into a chat's history as written. It ends at max_new_tokens, or where prompt +
+reply fill the model's max_seq_len (a note says so); a chat that outgrows the model drops its oldest turns, and says so.
 """
 
 import os
@@ -26,8 +25,7 @@ from tokenizer import Tokenizer, get_tokenizer
 
 
 def load_model(path, device):
-    """A Hugging Face folder (config.json) or one of our training checkpoints (ckpt.pt) -> (model, tokenizer):
-    the folder's tokenizer files, or the tokenizer the checkpoint's run trained with."""
+    """A Hugging Face folder or one of our ckpt.pt -> (model, its tokenizer: the folder's files, or the run's)."""
     if os.path.isdir(path):
         tok = Tokenizer.from_dir(path) if Tokenizer.has_files(path) else Tokenizer.byte_level()
         return from_pretrained(path, dtype=torch.float32, device=device), tok
