@@ -14,7 +14,7 @@ import torch.distributed as dist
 from checkpoint import all_finite, load_checkpoint, restore_checkpoint
 import context
 from data.dataset import check_fits, check_kind, load_data, prepare_data
-from data.prepare import OVERLONG
+from data.prepare import BAD_RECORDS, OVERLONG
 import lora
 from hf import fingerprint, from_pretrained, load_hf_weights, read_hf_config
 from model import PRESETS, ModelConfig, Transformer, attention_backend, config_from_preset
@@ -29,7 +29,7 @@ RULES = dict(  # configurator.check_rule: the choices or the interval of each ke
     learning_rate="(0, inf)", min_lr="[0, learning_rate]", warmup_iters="[0, inf)", weight_decay="[0, inf)",
     grad_clip="[0, inf)", lora_rank="[0, inf)", lora_dropout="[0, 1)", seed="[0, 2**32)", val_fraction="[0, 1)",
     log_interval="[1, inf)", eval_interval="[0, inf)", eval_examples="[0, inf)", max_bad_steps="[1, inf)",
-    dist_timeout="[1, inf)", context_parallel="[1, inf)")
+    dist_timeout="[1, inf)", context_parallel="[1, inf)", bad_records=BAD_RECORDS)
 
 
 @dataclass

@@ -17,8 +17,8 @@ from parallel import fail, is_master
 
 FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer", "batch_size", "seed",
                    "max_len", "overlong", "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-                   "quantize_base", "chat_template_kwargs", "reasoning_turns")
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv", ".txt")
+                   "quantize_base", "chat_template_kwargs", "reasoning_turns", "bad_records")
+DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".parquet", ".csv", ".txt")
 
 
 class ConfigError(ValueError):

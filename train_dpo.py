@@ -40,6 +40,7 @@ val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); de
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')
 max_len = 4096  # records only: longest sequence kept; longer ones follow `overlong`
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
+bad_records = "error"  # records only: one that fails to parse or render: 'error' (all counted, then stop) or 'skip'
 batch_size = 32  # preference pairs per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole pairs: chosen + rejected)
 context_parallel = 1  # ranks splitting each micro-batch's tokens (a pair up to this x microbatch_tokens long)

@@ -35,6 +35,7 @@ val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); de
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')
 max_len = 4096  # records only: longest example kept; longer ones follow `overlong`
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
+bad_records = "error"  # records only: one that fails to parse or render: 'error' (all counted, then stop) or 'skip'
 chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
 reasoning_turns = "conversation"  # records: 'each' also trains every turn rendered without its reasoning on its own
 batch_size = 32  # examples per optimizer step, all ranks together

@@ -9,8 +9,8 @@ import numpy as np
 import torch.distributed as dist
 
 from data.arithmetic import prepare_builtin, rl_prompts
-from data.prepare import (DataError, as_messages, data_files, load, peek_kind, prepare, read_meta, read_records,
-                          template_inputs)
+from data.prepare import as_messages, load, peek_kind, prepare, read_meta, template_inputs
+from data.records import DataError, data_files, read_records
 from packing import shared_prefixes, unit_lengths
 from parallel import is_master, print0
 
@@ -58,7 +58,8 @@ def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
                 prepare(c["data"], data_dir, tokenizer=tok, max_len=min(c["max_len"], max_seq_len),
                         overlong=c["overlong"], val_fraction=c["val_fraction"], seed=c["seed"],
                         data_split=c["data_split"], val_input=c["val_data"], val_split=c["val_split"],
-                        reasoning_turns=c.get("reasoning_turns", "conversation"))
+                        reasoning_turns=c.get("reasoning_turns", "conversation"),
+                        bad_records=c.get("bad_records", "error"))
         except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
             capped = c["max_len"] > max_seq_len and "max_len" in str(e)
             raise SystemExit(f"data error: {e}" + f" (max_len is capped at the model's max_seq_len={max_seq_len}: it "

@@ -1,5 +1,5 @@
 r"""
-Chat records, JSONL or Parquet as downloaded from the Hugging Face hub -> the token files packing.py reads.
+Chat records, JSON Lines, JSON or Parquet as downloaded from the Hugging Face hub -> the token files packing.py reads.
 
     python data/prepare.py --input chats.jsonl --out_dir data/chats --tokenizer byte
     python data/prepare.py --input prefs.jsonl --out_dir data/prefs --tokenizer ~/models/Qwen2.5-0.5B \
@@ -7,11 +7,14 @@ Chat records, JSONL or Parquet as downloaded from the Hugging Face hub -> the to
     python data/prepare.py --input ultrafeedback_binarized/data --data_split train_prefs \
         --val_input 'ultrafeedback_binarized/data/test_prefs-*.parquet' --out_dir data/uf --tokenizer byte
 
---input (and --val_input): a .jsonl file (a record a line), a .parquet file (a record a row, read row group by row
-group: pip install pyarrow), a folder of .parquet/.jsonl shards or a quoted glob, in name order. A folder's files form
-splits by name (train_prefs-00000-of-00001.parquet: split train_prefs); several splits need --data_split (--val_split).
+--input (and --val_input): a .jsonl file (a record a line), a .json file (a JSON array of records, or JSON Lines),
+either gzipped (.jsonl.gz, .json.gz), a .parquet file (a record a row, read row group by row group: pip install
+pyarrow; a null field is read as absent, since Arrow gives every row every key of a column), a folder of such shards,
+a quoted glob, or files and globs separated by commas ('a.jsonl,b.jsonl'). A glob or a list is one split; a folder's
+files form splits by name (train_prefs-00000-of-00001.parquet: split train_prefs), several need --data_split
+(--val_split).
 
-Records (the first decides SFT or DPO, one kind per input; other fields, e.g. id, ignored):
+Records (the first good one decides SFT or DPO, one kind per input; other fields, e.g. id, ignored):
   SFT  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}  (e.g. Tulu 3 SFT mixture)
   DPO  {"chosen": [messages], "rejected": [messages]}: the prompt is their longest common prefix, then assistant turns
        (and the tool results between them)
@@ -33,130 +36,31 @@ goes to val with probability val_fraction (random.Random(seed), record by record
 
 Sequences longer than --max_len tokens follow --overlong: error (default: stop, naming the line); truncate (keep the
 first max_len tokens of each sequence; a DPO pair left without response tokens on a side, or with equal sides, is
-skipped); skip (drop the example, a DPO pair as a whole).
+skipped); skip (drop the example, a DPO pair as a whole). A record that cannot be read, parsed or rendered follows
+--bad_records: error (default: the whole input is read, then one error counts them and names the first 5); skip
+(leave them out: counted, the first 5 named, in meta.json).
 """
 import argparse
 import copy
-import glob
 import itertools
 import json
 import os
 import random
 import re
 import sys
-import time
 from array import array
 
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python data/prepare.py
 from chat_template import REASONING_FIELDS  # noqa: E402
+from data.records import BAD_RECORDS, BadRecords, DataError, data_files, read_records  # noqa: E402, F401
 from tokenizer import ROLES, get_tokenizer  # noqa: E402
 
 OVERLONG = ("error", "truncate", "skip")
 REASONING_TURNS = ("conversation", "each")
 RESPONSE_ROLES = ("assistant", "tool", "ipython")  # a DPO response: assistant turns and the tool results between
 HH_TURN = re.compile(r"\n\n(Human|Assistant): ?")  # HH-RLHF's turn markers; the one space after the colon goes
-
-
-class DataError(ValueError):
-    """Bad input data. The message reads '{path}:{line}: {what} — {how to fix}'."""
-
-
-def data_files(path, data_split=None, key="data_split"):
-    """A file, a folder of .parquet/.jsonl shards or a glob -> the files to read, in name order; a folder's split is
-    its file names less the shard number. key: the setting that names the split, for messages."""
-    if os.path.isdir(path):
-        files = sorted(glob.glob(os.path.join(path, "*.parquet")) + glob.glob(os.path.join(path, "*.jsonl")))
-    else:
-        files = [path] if os.path.isfile(path) else sorted(f for f in glob.glob(path) if os.path.isfile(f))
-    if not files:
-        raise DataError(f"{path}: no such file, and no .parquet or .jsonl file " + ("in this folder — pass the "
-                        "folder that holds the shards (often its data/ subfolder)" if os.path.isdir(path) else
-                        "matches it as a pattern — check the path"))
-    if data_split is not None and not os.path.isdir(path):
-        raise DataError(f"{path}: {key}={data_split!r} picks a split inside a folder, and this is a file or "
-                        f"a pattern — pass the folder, or drop {key}")
-    splits = {}
-    for f in files:
-        name = os.path.basename(f).rsplit(".", 1)[0]
-        splits.setdefault(re.sub(r"[-_]?\d+(-of-\d+)?$", "", name), []).append(f)
-    if (data_split is not None and data_split not in splits) or (data_split is None and len(splits) > 1):
-        found = ", ".join(map(repr, sorted(splits)))
-        raise DataError(f"{path}: " + (f"no split {data_split!r}" if data_split else "several splits") +
-                        f" among its files; found {found} — choose one with {key}")
-    files = splits[data_split] if data_split is not None else files
-    if len({f.endswith(".parquet") for f in files}) > 1:  # e.g. train.jsonl beside train.parquet: read twice
-        both = [next(f for f in files if f.endswith(".parquet") == p) for p in (False, True)]
-        raise DataError(f"{path}: the split is there in two formats, {both[0]} and {both[1]} (the same records "
-                        f"twice?) — keep one of them in the folder")
-    return files
-
-
-def read_jsonl(path):
-    """Yield (where, record, fraction of the file read) per non-blank line, where = 'path:line'."""
-    size, done = max(os.path.getsize(path), 1), 0
-    with open(path, "rb") as f:  # bytes, decoded line by line, so a bad UTF-8 line can be named
-        for lineno, raw in enumerate(f, 1):
-            where, done = f"{path}:{lineno}", done + len(raw)
-            try:
-                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # -sig: a BOM some editors write
-            except UnicodeDecodeError as e:
-                raise DataError(f"{where}: invalid UTF-8 byte {raw[e.start:e.start + 1]!r} at byte "
-                                f"{e.start + 1} of the line — re-encode the file as UTF-8 (iconv -f latin1 "
-                                f"-t utf-8)") from None
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}) — each line must "
-                                f"be one complete JSON object; fix or delete this line") from None
-            if not isinstance(record, dict):
-                raise DataError(f"{where}: the line is a JSON {type(record).__name__}, not an object — write "
-                                f"one {{\"messages\": ...}} or {{\"chosen\", \"rejected\"}} object per line")
-            yield where, record, done / size
-
-
-def read_parquet(path):
-    """Yield (where, record, fraction of the file read) per row, where = 'path:row N'; memory: one row group."""
-    try:
-        import pyarrow
-        import pyarrow.parquet as pq
-    except ImportError:
-        raise DataError(f"{path}: reading Parquet needs pyarrow — pip install pyarrow") from None
-    row = 0
-    with open(path, "rb") as f:
-        try:
-            pf = pq.ParquetFile(f)
-            n = max(pf.metadata.num_rows, 1)
-            for group in range(pf.num_row_groups):  # not iter_batches: that pre-buffers every row group at once
-                for batch in pf.read_row_group(group).to_batches(1024):
-                    for record in batch.to_pylist():
-                        row += 1
-                        yield f"{path}:row {row}", record, row / n
-        except pyarrow.ArrowException as e:
-            at = f"{path}:row {row + 1}" if row else path
-            raise DataError(f"{at}: not readable as Parquet ({' '.join(str(e).split())}) — download the file "
-                            f"again, or check that it is Parquet") from None
-
-
-def read_records(files, verbose=True):
-    """Yield (where, record) from each file in turn; verbose: progress to stderr every 10 s, a total at the end."""
-    sizes = [os.path.getsize(f) for f in files]
-    t0, shown, rows = time.time(), time.time(), 0
-    for i, path in enumerate(files):
-        for where, record, done in (read_parquet if path.endswith(".parquet") else read_jsonl)(path):
-            rows += 1
-            if verbose and time.time() - shown > 10:
-                shown = time.time()
-                frac = (sum(sizes[:i]) + done * sizes[i]) / max(sum(sizes), 1)  # by bytes, over all the files
-                eta = (shown - t0) * (1 - frac) / max(frac, 1e-9)
-                print(f"{where}: {rows:,} rows ({frac:.0%}), {rows / (shown - t0):,.0f} rows/s, "
-                      f"ETA {eta // 60:.0f}m{eta % 60:02.0f}s", file=sys.stderr, flush=True)
-            yield where, record
-    if verbose:
-        print(f"read {rows:,} rows from {len(files)} file(s) in {time.time() - t0:.1f} s")
 
 
 def check_messages(messages, field, where):
@@ -273,14 +177,19 @@ def parse(record, where):
                     f"{sorted(record)} — see the formats at the top of data/prepare.py")
 
 
-def tokenize(tok, kind, example, where, max_len, overlong, inputs, reasoning_turns):
-    """-> (sequences, status): sequences [(ids, mask)] (SFT: one, or one per turn with reasoning_turns='each'; DPO:
-    chosen, rejected), [] when skipped; status "ok", "truncated" or "skipped". inputs: template_inputs'."""
+def render(tok, kind, example, where, inputs, reasoning_turns):
+    """-> [(ids, mask)]: SFT one, or one per turn with reasoning_turns='each'; DPO chosen, rejected. inputs:
+    template_inputs'."""
     try:
-        seqs = (list(tok.render_pair(*example, **inputs)) if kind == "dpo" else tok.render_turns(example, **inputs)
+        return (list(tok.render_pair(*example, **inputs)) if kind == "dpo" else tok.render_turns(example, **inputs)
                 if reasoning_turns == "each" else [tok.render(example, **inputs)])
     except ValueError as e:  # the template refused the conversation (raise_exception), or leaves part of it out
         raise DataError(f"{where}: {e}") from None
+
+
+def fit(seqs, kind, where, max_len, overlong):
+    """-> (sequences, status): sequences within max_len as `overlong` says, [] when skipped; status "ok", "truncated"
+    or "skipped"."""
     longest = max(len(ids) for ids, _ in seqs)
     if longest <= max_len:
         return seqs, "ok"
@@ -342,8 +251,10 @@ class TokenWriter:
 
 
 def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra_meta=None, verbose=True,
-                      reasoning_turns="conversation"):
-    """(where, split, record) items -> token files and meta.json (written last: the files are complete) in out_dir."""
+                      reasoning_turns="conversation", bad=None):
+    """(where, split, record) items -> token files and meta.json (written last: the files are complete) in out_dir.
+    bad: the BadRecords the reader counts into too (None: 'error'); a record that fails to parse or render is one."""
+    bad = BadRecords() if bad is None else bad
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         os.remove(os.path.join(out_dir, "meta.json"))
@@ -352,7 +263,12 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
     status_counts, turn_examples = dict(ok=0, truncated=0, skipped=0), 0
     try:
         for where, split, record in items:
-            k, example = parse(record, where)
+            try:
+                k, example = parse(record, where)
+                seqs = render(tok, k, example, where, template_inputs(record, where), reasoning_turns)
+            except DataError as e:
+                bad.add(e)
+                continue
             if kind is None:
                 kind, first = k, where
             elif k != kind:
@@ -360,22 +276,23 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
                                 f"{first} — keep SFT and DPO data in separate files")
             if kind == "dpo" and reasoning_turns == "each":
                 raise DataError(f"{where}: reasoning_turns='each' is for SFT conversations, and this is a DPO pair")
-            seqs, status = tokenize(tok, kind, example, where, max_len, overlong, template_inputs(record, where),
-                                    reasoning_turns)
+            seqs, status = fit(seqs, kind, where, max_len, overlong)
             status_counts[status] += 1
             turn_examples += max(len(seqs) - 1, 0) * (kind == "sft")
             for ids, mask in seqs:
                 writers[split].add(ids, mask)
                 lengths.append(len(ids))
             longest_example = max(longest_example, sum(len(ids) for ids, _ in seqs))
+        source = (extra_meta or {}).get("source", out_dir)
+        if bad.count and (kind is None or bad.policy == "error"):
+            bad.raise_error(source, usable=kind is not None)
+        if kind is None:
+            raise DataError(f"{source}: no examples found — is the file empty?")
         counts = {split: w.close() for split, w in writers.items()}
     except BaseException:
         for w in writers.values():
             w.abort()
         raise
-    if kind is None:
-        source = (extra_meta or {}).get("source", out_dir)
-        raise DataError(f"{source}: no examples found — is the file empty?")
     for c in counts.values():
         c["examples"] = c["sequences"] // (2 if kind == "dpo" else 1)  # DPO: pairs
     q = np.percentile(lengths, [0, 50, 99, 100]).round().astype(int).tolist() if lengths else [0] * 4
@@ -385,7 +302,8 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
                 skipped=status_counts["skipped"], counts=counts, length_min_median_p99_max=q,
                 longest_example=longest_example,  # DPO: chosen + rejected; packing needs a budget >= this
                 chat_template_kwargs=tok.chat_template_kwargs, escape_special_text=tok.escape_special_text,
-                reasoning_turns=reasoning_turns, turn_examples=turn_examples, **(extra_meta or {}))
+                reasoning_turns=reasoning_turns, turn_examples=turn_examples, bad_records=bad.policy,
+                bad_records_skipped=bad.count, bad_records_named=bad.named, **(extra_meta or {}))
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     if verbose:
@@ -396,6 +314,9 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
               + (f"; longest pair {longest_example:,}" if kind == "dpo" else ""))
         print(f"longer than max_len={max_len}: {meta['truncated']:,} truncated, {meta['skipped']:,} skipped "
               f"(--overlong {overlong})")
+        if bad.count:
+            print(f"bad records: {bad.count:,} skipped (--bad_records skip), the first {len(bad.named)}:\n  "
+                  + "\n  ".join(bad.named))
         if reasoning_turns == "each":
             print(f"reasoning_turns='each': {turn_examples:,} more examples, each an assistant turn the conversation "
                   f"renders without its reasoning, trained as the last turn of the conversation up to it")
@@ -404,17 +325,24 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
     return meta
 
 
+def absolute(path):
+    """A path, a glob or a comma-separated list of them, each made absolute (meta.json's record of the source)."""
+    return ",".join(os.path.abspath(p) for p in ([path] if os.path.exists(path) else path.split(",")))
+
+
 def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error", val_fraction=0.01,
             seed=1337, verbose=True, data_split=None, val_input=None, val_split=None, reasoning_turns="conversation",
-            **chat):
+            bad_records="error", **chat):
     """Records (see data_files) -> token files in out_dir; returns meta. tokenizer: a Tokenizer, "byte" or a folder.
-    val_input: the val split's records, in place of val_fraction. chat: Tokenizer.configure_chat's settings."""
+    val_input: the val split's records, in place of val_fraction. bad_records: 'error' or 'skip' (see BadRecords).
+    chat: Tokenizer.configure_chat's settings."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1): the share of records held out for val")
     if val_split is not None and val_input is None:
         raise DataError(f"val_split={val_split!r} picks a split of val_input, and no val_input is given")
     if reasoning_turns not in REASONING_TURNS:
         raise DataError(f"reasoning_turns={reasoning_turns!r}; choose one of {', '.join(REASONING_TURNS)}")
+    bad = BadRecords(bad_records)
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     tok = copy.copy(tok).configure_chat(**chat) if chat else tok
     files = data_files(input_path, data_split)  # before out_dir is touched: a wrong path writes nothing
@@ -422,20 +350,27 @@ def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error
     if val_input is None:
         rng = random.Random(seed)  # one draw per record, so the split does not depend on max_len/overlong
         items = ((where, "val" if rng.random() < val_fraction else "train", record)
-                 for where, record in read_records(files, verbose))
+                 for where, record in read_records(files, verbose, bad))
     else:
-        items = itertools.chain(((where, "train", record) for where, record in read_records(files, verbose)),
-                                ((where, "val", record) for where, record in read_records(val_files, verbose)))
-    extra_meta = dict(source=os.path.abspath(input_path), data_split=data_split, seed=seed, val_split=val_split,
-                      val_source=os.path.abspath(val_input) if val_input is not None else None,
+        items = itertools.chain(((where, "train", record) for where, record in read_records(files, verbose, bad)),
+                                ((where, "val", record) for where, record in read_records(val_files, verbose, bad)))
+    extra_meta = dict(source=absolute(input_path), data_split=data_split, seed=seed, val_split=val_split,
+                      val_source=absolute(val_input) if val_input is not None else None,
                       val_fraction=val_fraction if val_input is None else None)
-    return write_token_files(items, out_dir, tok, max_len, overlong, extra_meta, verbose, reasoning_turns)
+    return write_token_files(items, out_dir, tok, max_len, overlong, extra_meta, verbose, reasoning_turns, bad)
 
 
 def peek_kind(path, data_split=None):
-    """-> (kind, where): "sft" or "dpo" from the first record of `path`, checked but not tokenized, and where it is."""
-    for where, record in read_records(data_files(path, data_split), verbose=False):
-        return parse(record, where)[0], where
+    """-> (kind, where): "sft" or "dpo" from the first record of `path` that parses (checked, not tokenized), and where
+    it is; bad records before it are prepare's to report, and an input of bad records only is an error here."""
+    bad = BadRecords()
+    for where, record in read_records(data_files(path, data_split), verbose=False, bad=bad):
+        try:
+            return parse(record, where)[0], where
+        except DataError as e:
+            bad.add(e)
+    if bad.count:
+        bad.raise_error(path, usable=False)
     raise DataError(f"{path}: no examples found — is the file empty?")
 
 
@@ -457,15 +392,18 @@ def load(data_dir, split):
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="a .jsonl or .parquet file, a folder of shards, or a quoted glob")
+    p.add_argument("--input", required=True, help="a .jsonl, .json or .parquet file (.gz too), a folder of shards, "
+                   "a quoted glob, or files and globs separated by commas")
     p.add_argument("--data_split", default=None, help="the split to read from a folder holding several, e.g. "
                    "train_prefs")
     p.add_argument("--out_dir", required=True)
     p.add_argument("--tokenizer", default="byte", help='"byte", or a model folder with tokenizer.json/.model')
     p.add_argument("--max_len", type=int, default=4096, help="longest sequence, in tokens")
     p.add_argument("--overlong", choices=OVERLONG, default="error")
+    p.add_argument("--bad_records", choices=BAD_RECORDS, default="error", help="error: stop, naming the first bad "
+                   "records and their count; skip: leave them out (counted, the first named)")
     p.add_argument("--val_fraction", type=float, default=0.01)
-    p.add_argument("--val_input", default=None, help="val records (file, folder or glob) instead of --val_fraction")
+    p.add_argument("--val_input", default=None, help="val records (as --input) instead of --val_fraction")
     p.add_argument("--val_split", default=None, help="the split to read from a --val_input folder holding several")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--chat_template_kwargs", type=json.loads, default={}, help="template variables for every record, "
@@ -478,8 +416,8 @@ if __name__ == "__main__":
     try:
         prepare(args.input, args.out_dir, args.tokenizer, args.max_len, args.overlong, args.val_fraction,
                 args.seed, data_split=args.data_split, val_input=args.val_input, val_split=args.val_split,
-                reasoning_turns=args.reasoning_turns, chat_template_kwargs=args.chat_template_kwargs,
-                escape_special_text=args.escape_special_text)
+                reasoning_turns=args.reasoning_turns, bad_records=args.bad_records,
+                chat_template_kwargs=args.chat_template_kwargs, escape_special_text=args.escape_special_text)
     except (ValueError, OSError) as e:  # DataError, a missing file, an unsupported tokenizer: one line
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)

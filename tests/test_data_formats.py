@@ -16,7 +16,9 @@ import pyarrow.parquet as pq  # noqa: E402
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import data.prepare as prepare_module  # noqa: E402
-from data.prepare import DataError, data_files, parse, peek_kind, prepare  # noqa: E402
+import data.records as records_module  # noqa: E402
+from data.prepare import parse, peek_kind, prepare  # noqa: E402
+from data.records import DataError, data_files  # noqa: E402
 from tokenizer import Tokenizer  # noqa: E402
 
 TOK = Tokenizer.byte_level()
@@ -151,7 +153,8 @@ def test_cli_reads_a_split_folder(tmp_path):
     r = subprocess.run(cli + ["--out_dir", str(tmp_path / "bad")], capture_output=True, text=True)
     assert r.returncode == 1 and "Traceback" not in r.stderr
     assert r.stderr.strip() == (f"error: {folder}: several splits among its files; found 'test', 'train' — "
-                                f"choose one with data_split")
+                                f"choose one with data_split, or read all of them as one split: a glob "
+                                f"'{folder}/*' or a comma-separated list")
     r = subprocess.run(cli + ["--data_split", "train", "--val_input", str(folder / "test-*.parquet"),
                               "--out_dir", str(tmp_path / "out")], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -183,7 +186,7 @@ def test_train_dpo_takes_a_downloaded_split_folder(tmp_path):
 
 def test_progress_line_with_rows_per_second_and_eta(tmp_path, monkeypatch, capsys):
     clock = iter(range(0, 10**6, 4))  # 4 s a call: a line every third record
-    monkeypatch.setattr(prepare_module.time, "time", lambda: next(clock))
+    monkeypatch.setattr(records_module.time, "time", lambda: next(clock))
     prepare(write_parquet(tmp_path / "t.parquet", records("tulu", 12)), str(tmp_path / "out"), TOK)
     out, err = capsys.readouterr()
     progress = [line for line in err.splitlines() if "rows/s" in line]
@@ -312,10 +315,11 @@ def test_bad_parquet_is_one_line_and_writes_nothing(tmp_path, case):
 
 
 def test_missing_paths_and_pyarrow_are_one_line(tmp_path, monkeypatch):
-    with pytest.raises(DataError, match=r"nope\.parquet: no such file, and no \.parquet or \.jsonl file matches"):
+    with pytest.raises(DataError, match=r"nope\.parquet: no such file, and no \.parquet, \.jsonl or \.json file "
+                                          r"\(gzipped or not\) matches it as a pattern — check the path"):
         prepare(str(tmp_path / "nope.parquet"), str(tmp_path / "out"), TOK, verbose=False)
     (tmp_path / "dataset").mkdir()
-    with pytest.raises(DataError, match=r"dataset: no such file, and no .* in this folder — pass the folder that"):
+    with pytest.raises(DataError, match=r"dataset: no \.parquet, .* in this folder — pass the folder that"):
         prepare(str(tmp_path / "dataset"), str(tmp_path / "out"), TOK, verbose=False)
     assert not os.path.exists(tmp_path / "out")
     path = write_parquet(tmp_path / "t.parquet", records("tulu", 3))
@@ -331,7 +335,7 @@ def test_missing_paths_and_pyarrow_are_one_line(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("schema", ["tulu", "ultrafeedback", "strings", "hh"])
 def test_peek_kind(tmp_path, schema, monkeypatch):
-    monkeypatch.setattr(prepare_module, "tokenize", None)  # it must not be needed
+    monkeypatch.setattr(prepare_module, "render", None)  # it must not be needed
     rows, kind = records(schema, 5), "sft" if schema == "tulu" else "dpo"
     path = tmp_path / "a.jsonl"
     path.write_text("\n" + json.dumps(rows[0]) + "\n{not json\n")  # only the first record is read

@@ -9,7 +9,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLOORS = [  # lowest first: a module may import only from floors below its own
     ("kernels", "packing", "chat_template", "parallel", "losses"),
-    ("tokenizer", "context"),
+    ("tokenizer", "context", "data.records"),
     ("model",),
     ("hf", "generate", "data.prepare"),
     ("data.arithmetic", "lora", "metrics"),
