@@ -13,14 +13,11 @@ step's reply tokens, PPO's clipped ratio when a batch makes more than one update
 initial model; 'online_dpo': each group's best and worst reply become a DPO pair, the reference computed on the fly.
 Replies are drawn from generators seeded by (seed, step, prompt, reply): a step's samples depend neither on the world
 size nor on a resume. Data: the built-in task's hard split, or records {"messages": [prompt turns]} or {"prompt": str
-| [messages]} (read as data/prepare.py reads them); the record's other fields go to the reward function, named
-'module:function': reward(prompt messages, reply text, **fields) -> float (e.g. in a my_rewards.py beside you).
+| [messages]} (read as data/prepare.py reads them); the record's other fields go to the reward functions (rewards.py),
+named 'module:function': reward(prompt messages, reply text, **fields) -> float (e.g. in a my_rewards.py beside you).
 """
 
-import importlib
 import math
-import os
-import sys
 import time
 from functools import lru_cache
 
@@ -37,6 +34,7 @@ from metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import group_data, make_batch, rank_bins, shared_prefixes, unit_lengths
 from parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
 from reference import Reference
+from rewards import RewardError, Rewards
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
@@ -45,11 +43,12 @@ init_from = "out/dpo/hf"  # the model `python train_dpo.py` leaves; any Hugging 
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
 chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
-data = "builtin"  # 'builtin' (the arithmetic task's hard split) or prompt records (see above)
+data = "builtin"  # 'builtin' (the arithmetic task's hard split) or records {"prompt" or "messages", reward fields}
 data_split = None  # records: the split of a folder holding several (e.g. 'train'), by file-name prefix
 val_data = None  # records: held-out prompts for evaluation (builtin: the hard split's val chats)
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test')
-reward = "builtin"  # 'builtin' (the exact answer: data.arithmetic.reward) or 'module:function' (see above)
+reward = "builtin"  # 'builtin' (exact answer), 'math' (math-verify) or 'module:function' (see rewards.py); 'a,b': both
+reward_weights = None  # one per reward, e.g. 1,0.5: the total reward is their weighted sum; default: 1 each
 k = 8  # replies sampled per prompt (a group)
 prompts_per_step = 32  # prompts per step, all ranks together
 temperature = 1.0
@@ -97,18 +96,10 @@ config = configure(globals(), finetune=dict(learning_rate=1e-6, min_lr=1e-7), ru
 # -----------------------------------------------------------------------------
 
 
-def load_reward(spec):
-    """'builtin' or 'module:function' -> the function; a bad name is one line."""
-    module, _, name = ("data.arithmetic:reward" if spec == "builtin" else spec).partition(":")
-    sys.path.append(os.getcwd())  # a my_rewards.py where the run is launched
-    try:
-        return getattr(importlib.import_module(module), name)
-    except (ImportError, AttributeError, ValueError) as e:
-        fail(f"config error: reward={spec!r}: {e}; name a function (prompt, reply, **fields) -> float as "
-             f"'module:function', the module importable from here (e.g. my_rewards.py in this folder)")
-
-
-reward_fn = load_reward(reward)
+try:
+    reward_fns = Rewards(reward, reward_weights)
+except RewardError as e:
+    fail(f"config error: {e}")
 run = common.setup(config, "rl")
 model, raw_model, optimizer, device, tok = run.model, run.raw_model, run.optimizer, run.device, run.tok
 iter_num, max_iters, world_size, rank = run.start_iter, run.max_iters, run.world_size, run.rank
@@ -132,10 +123,14 @@ try:
     train_prompts = read_prompts(data, None, tok, fits, data_split, "data_split")
     has_val = eval_examples and (val_data or data == "builtin")
     val_prompts = read_prompts(val_data or data, eval_examples, tok, fits, val_split, "val_split") if has_val else []
+    for _, _, fields, where in train_prompts + val_prompts:
+        reward_fns.check_fields(fields, where)
+except RewardError as e:
+    fail(f"data error: {e}")
 except SystemExit as e:
     fail(e.code)
 print0(f"RL: {loss} loss, {len(train_prompts)} train prompts, {prompts_per_step} x {k} replies per step, reward "
-       f"{reward}, {len(val_prompts)} held-out prompts")
+       f"{reward_fns}, {len(val_prompts)} held-out prompts")
 logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
                        resume_iter=iter_num if init_from == "resume" else None)
 ref = Reference.of_model("adapters_off" if lora_rank else "live", run) if loss == "online_dpo" or kl_coef else None
@@ -147,25 +142,21 @@ def permutation(epoch):
 
 
 def score(prompts, replies, num_samples):
-    """Rewards (len(prompts) * num_samples,) of decoded replies; a failing reward function stops the run in one line."""
-    out = []
+    """-> (total rewards (N,), each reward function's own (N, F)) of the N = len(prompts) * num_samples decoded replies;
+    a failing reward function stops the run in one line."""
+    each = np.zeros((len(replies), len(reward_fns.names)))  # host values: plan.py's fake tensors would hide them
     for i, reply in enumerate(replies):
         _, messages, fields, where = prompts[i // num_samples]
-        text = tok.decode_reply(reply)
         try:
-            value = float(reward_fn(messages, text, **fields))
-        except Exception as e:
-            raise SystemExit(f"reward {reward} raised {type(e).__name__}: {e} (prompt {where}, reply {text!r}); "
-                             f"nothing from this step is trained or saved") from None
-        if not math.isfinite(value):
-            raise SystemExit(f"reward {reward} returned {value} for prompt {where} (reply {text!r}); a reward must "
-                             f"be a finite number; nothing from this step is trained or saved")
-        out.append(value)
-    return np.array(out, dtype=np.float64)  # host values: plan.py's fake tensors would hide them
+            each[i] = reward_fns(messages, tok.decode_reply(reply), fields, where)
+        except RewardError as e:
+            raise SystemExit(f"{e}; nothing from this step is trained or saved") from None
+    return each @ reward_fns.weights, each
 
 
 def sample(step):
-    """This rank's share of step `step` -> (prompts, k token lists per prompt, rewards (G, k), seconds in `reward`)."""
+    """This rank's share of step `step` -> (prompts, k token lists per prompt, rewards (G, k), each reward function's
+    (G * k, F), seconds in `reward`)."""
     first = step * prompts_per_step
     mine = list(range(first + run.cp.data_rank, first + prompts_per_step, run.cp.data_size))  # positions in the stream
     prompts = [train_prompts[permutation(i // len(train_prompts))[i % len(train_prompts)]] for i in mine]
@@ -176,11 +167,12 @@ def sample(step):
                            generator=gens, sync_ranks=sync_ranks, num_samples=k, top_p=top_p)
     model.train()
     t0 = time.perf_counter()
-    rewards = score(prompts, replies, k).reshape(-1, k) if first_of_group else None
+    scored = score(prompts, replies, k) if first_of_group else None
     # generation without CP: a CP group's ranks draw the same replies (same prompts, generators and weights); its first
     # rank's replies and rewards are the group's, so that a nondeterministic kernel or reward cannot set them apart
-    replies, rewards = run.cp.broadcast((replies, rewards))
-    return prompts, [replies[g * k:(g + 1) * k] for g in range(len(prompts))], rewards, time.perf_counter() - t0
+    replies, (rewards, each) = run.cp.broadcast((replies, scored))
+    return (prompts, [replies[g * k:(g + 1) * k] for g in range(len(prompts))], rewards.reshape(-1, k), each,
+            time.perf_counter() - t0)
 
 
 def training_batches(prompts, replies, rewards):
@@ -235,7 +227,7 @@ def evaluate():
     with run.autocast:
         replies = generate(raw_model, [p[0] for p in mine], max_new_tokens, tok.stop_ids, sync_ranks=sync_ranks)
     model.train()
-    rewards = score(mine, replies, 1)
+    rewards, _ = score(mine, replies, 1)
     total, right, n = all_reduce_sum([rewards.sum().item(), (rewards >= 1).sum().item(), len(mine)], device)
     out = dict(val_reward=total / n, val_accuracy=right / n)
     print0(f"iter {iter_num}: held-out, greedy: mean reward {out['val_reward']:.3f} | accuracy "
@@ -244,19 +236,22 @@ def evaluate():
     return out
 
 
-def log_step(step_loss, rewards, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm):
+def log_step(step_loss, rewards, each, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm):
     """Every step's log line (a step takes seconds): its loss, the rewards of its samples on all ranks, its speed."""
     flat = rewards.flatten()  # a CP group's ranks hold the same samples: means over them are unchanged
     alone = first_of_group or loss == "grpo"  # online_dpo's pair losses are alike on a CP group (GRPO's: per token)
-    perf, (loss_sum, r_sum, r2_sum, right, n, reply_tokens, unshared) = meter.read(train_s, 1, [
+    perf, (loss_sum, r_sum, r2_sum, right, n, reply_tokens, unshared, *each_sums) = meter.read(train_s, 1, [
         step_loss.item() * alone, flat.sum().item(), (flat ** 2).sum().item(), (flat >= 1).sum().item(), len(flat),
-        sum(len(r) for group in replies for r in group), unshared])
+        sum(len(r) for group in replies for r in group), unshared, *each.sum(0).tolist()])
+    each_mean = {name: s / n for name, s in zip(reward_fns.names, each_sums)}  # as TRL logs them: unweighted
     mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
     metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=math.sqrt(max(r2_sum / n - mean ** 2, 0)),
                    accuracy=right / n, reply_tokens=reply_tokens / n, groups_trained=trained, gen_ms=1000 * gen_s,
                    reward_ms=1000 * reward_s, train_ms=1000 * train_s, tokens_unshared=unshared, lr=lr,
-                   grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps, **perf)
-    print0(f"iter {iter_num}/{max_iters} | loss {loss_sum:.4f} | reward {mean:.3f} | accuracy "
+                   grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps, **perf,
+                   **{f"rewards/{name}/mean": m for name, m in each_mean.items()})
+    parts = f" ({', '.join(f'{name} {m:.3f}' for name, m in each_mean.items())})" * (len(each_mean) > 1)
+    print0(f"iter {iter_num}/{max_iters} | loss {loss_sum:.4f} | reward {mean:.3f}{parts} | accuracy "
            f"{100 * metrics['accuracy']:.1f}% | groups {trained:.0f} | ms: gen {1000 * gen_s:.0f}, reward "
            f"{1000 * reward_s:.0f}, train {1000 * train_s:.0f} | tokens {perf['tokens']:,.0f} (unshared "
            f"{unshared:,.0f}) | eta {format_eta(eta)}")
@@ -272,7 +267,7 @@ start_iter, t_start = iter_num, time.perf_counter()
 while iter_num < max_iters:
     lr = common.set_lr(optimizer, common.lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
-    prompts, replies, rewards, reward_s = sample(iter_num)
+    prompts, replies, rewards, each_reward, reward_s = sample(iter_num)
     batches, size, advantages, normaliser, trained, unshared = training_batches(prompts, replies, rewards)
     gen_s = time.perf_counter() - t0 - reward_s
     meter.count(batches, data_time=0.0)
@@ -293,7 +288,7 @@ while iter_num < max_iters:
         stopping |= stop
     iter_num += 1
     train_s = timer.lap() - gen_s - reward_s
-    log_step(step_loss, rewards, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm)
+    log_step(step_loss, rewards, each_reward, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm)
     last = iter_num == max_iters
     if (eval_interval and iter_num % eval_interval == 0) or last:
         results = evaluate()

@@ -15,6 +15,8 @@ from packing import shared_prefixes, unit_lengths
 from parallel import is_master, print0
 
 NEEDS = dict(sft="messages", dpo="chosen/rejected pairs", rl="prompt records")
+NOT_PROMPTS = dict(sft="'messages' ending with the assistant's reply", dpo="'chosen' and 'rejected'")
+PROMPT_NAMES = ("question", "problem", "query", "instruction", "input")  # what datasets call a prompt (GSM8K: question)
 
 
 def prepared(data):
@@ -35,8 +37,11 @@ def check_kind(data, data_split, val_data, val_split, kind):
                                  f"already prepared")
             found, where = kind if data == "builtin" else read_meta(data).get("kind"), data
         else:
-            found, where = (kind, data_files(data, data_split)) if kind == "rl" else peek_kind(data, data_split)
-        val_data and data_files(val_data, val_split, "val_split")
+            found, where = (peek_prompts if kind == "rl" else peek_kind)(data, data_split)
+        if val_data and kind == found == "rl":  # RL's val_data holds prompt records too
+            found, where = peek_prompts(val_data, val_split, "val_split")
+        elif val_data:
+            data_files(val_data, val_split, "val_split")
     except (ValueError, OSError) as e:
         raise SystemExit(f"data error: {e}") from None
     if found != kind:
@@ -110,6 +115,34 @@ def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix
                              f"with a smaller --max_len")
 
 
+def prompt_record(record, where):
+    """An RL record -> ("rl", (prompt messages, the other fields)), or ("sft" | "dpo", None) for another script's
+    record; a record with no prompt is a DataError (GSM8K's "question": rename it)."""
+    if "chosen" in record and "rejected" in record:
+        return "dpo", None
+    if "messages" not in record and "prompt" not in record:
+        named = [k for k in PROMPT_NAMES if isinstance(record.get(k), str)]
+        rename = f" (rename {named[0]!r} to 'prompt'?)" if named else ""
+        raise DataError(f"{where}: no 'prompt' or 'messages' (the line's keys: {', '.join(map(repr, sorted(record)))})"
+                        f" — put the user's turn in 'prompt'{rename}")
+    field = "messages" if "messages" in record else "prompt"
+    messages = as_messages(record[field], field, "user", where)
+    if field == "messages" and messages[-1]["role"] == "assistant":
+        return "sft", None
+    if messages[-1]["role"] != "user":
+        raise DataError(f"{where}: '{field}' ends with a {messages[-1]['role']} turn — a prompt ends with the user's "
+                        f"turn, the reply is the model's")
+    return "rl", (messages, {k: v for k, v in record.items() if k != field})
+
+
+def peek_prompts(path, split=None, key="data_split"):
+    """-> (kind, where) of the first record of `path`, as prompt_record reads it: "rl" for prompts."""
+    for where, record in read_records(data_files(path, split, key), verbose=False):
+        return prompt_record(record, where)[0], where
+    raise DataError(f"{path}: no prompts found (an empty file?); write one {{\"prompt\": ...}} or "
+                    f"{{\"messages\": [...]}} record a line")
+
+
 def read_prompts(source, n, tok, limit, split=None, key="data_split"):
     """RL prompts -> [(prompt ids, prompt messages, reward fields, where)], the first n (None: all). source: 'builtin'
     (the hard split: val when n is given, else train) or {"messages"} / {"prompt"} records, other fields for the
@@ -122,12 +155,12 @@ def read_prompts(source, n, tok, limit, split=None, key="data_split"):
         found = []
         try:
             for where, record in read_records(data_files(source, split, key), verbose=False):
-                field = "messages" if "messages" in record else "prompt"
-                messages = as_messages(record.get(field), field, "user", where)
-                if messages[-1]["role"] != "user":
-                    raise DataError(f"{where}: '{field}' ends with a {messages[-1]['role']} turn — a prompt ends "
-                                    f"with the user's turn, the reply is the model's")
-                found.append((messages, {k: v for k, v in record.items() if k != field}, where))
+                kind, prompt = prompt_record(record, where)
+                if kind != "rl":
+                    raise DataError(f"{where}: {kind.upper()} data among the prompts ({NOT_PROMPTS[kind]}) — a "
+                                    f"prompt record is {{\"prompt\": ...}} or {{\"messages\": [prompt turns]}}; drop "
+                                    f"the line")
+                found.append((*prompt, where))
                 if n and len(found) == n:
                     break
         except (ValueError, OSError) as e:

@@ -17,7 +17,6 @@ def nan(prompt, reply, **fields):
     return float("nan")
 
 
-
 def many_characters(prompt, reply, **fields):
     """1 for a reply of at least 5 distinct characters, else 0: a group of 2 replies often ties (nothing to learn)."""
     return float(len(set(reply)) >= 5)
@@ -28,3 +27,18 @@ def slow(prompt, reply, **fields):
     import time
     time.sleep(0.25)
     return float(len(set(reply)))
+
+
+def as_string(prompt, reply, **fields):
+    """The reported case: a number written as text, which float() would have read."""
+    return "1"
+
+
+def echo(prompt, reply, value):
+    """Whatever the record's `value` is: a way to test what a reward may return."""
+    return value
+
+
+def answer_in_reply(prompt, reply, answer, bonus=0.0):
+    """Takes only `answer` (and `bonus`, with a default): a record's other fields must not reach it."""
+    return float(str(answer) in reply) + bonus

@@ -13,7 +13,7 @@ FLOORS = [  # lowest first: a module may import only from floors below its own
     ("model",),
     ("hf", "generate", "data.prepare"),
     ("data.arithmetic", "lora", "metrics"),
-    ("checkpoint", "data.dataset"),
+    ("checkpoint", "data.dataset", "rewards"),  # rewards: loads data.arithmetic's reward by name
     ("configurator",),
     ("common",),
     ("reference",),

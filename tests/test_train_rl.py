@@ -1,7 +1,8 @@
 """train_rl.py: GRPO's and online DPO's losses and gradients on the shared group layout equal each reply alone; the
 script as users launch it (python and torchrun, gloo on CPU): micro-batch split, DDP x2 and FSDP2 x2 take the steps of
 one process, prefix_sharing=False the same, resume equals the straight run bit for bit, SIGTERM saves, and a reward
-function that raises, returns NaN or cannot be found is one line naming it, with nothing saved.
+function that raises, returns NaN or text or cannot be found is one line naming it, with nothing saved (rewards.py
+alone: tests/test_rewards.py).
 
 The script runs use a scratch model, whose built-in answers are all wrong (every reward 0, nothing to learn), with
 tests/rl_rewards.py's reward: how many distinct characters a reply has, which differs between sampled replies. Replies
@@ -202,7 +203,7 @@ def test_online_dpo_starts_at_log_2_and_learns_the_reward(tmp_path):
 @pytest.mark.parametrize("reward, message", [
     ("tests.rl_rewards:raises", "reward tests.rl_rewards:raises raised ZeroDivisionError"),
     ("tests.rl_rewards:nan", "reward tests.rl_rewards:nan returned nan for prompt builtin:train:"),
-    ("tests.rl_rewards:no_such", "reward='tests.rl_rewards:no_such': module 'tests.rl_rewards' has no attribute"),
+    ("tests.rl_rewards:as_string", "reward tests.rl_rewards:as_string returned '1' (a str) for prompt builtin:train:"),
     ("no_such_module:f", "reward='no_such_module:f': No module named 'no_such_module'"),
 ])
 def test_a_bad_reward_is_one_line_and_nothing_is_saved(tmp_path, reward, message):
@@ -224,18 +225,25 @@ def test_a_group_that_cannot_fit_names_only_what_helps(tmp_path, kw, hint):
     assert out.returncode != 0 and hint in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
-def test_prompt_records_and_their_fields_reach_the_reward(tmp_path):
+def test_prompt_records_and_their_fields_reach_several_weighted_rewards(tmp_path):
+    """Each reward gets the fields it takes (contains_target: `target` only, not `id` or `answer`), the total is the
+    weighted sum of the rewards, each logged; an SFT file is refused before the model loads."""
     path = tmp_path / "prompts.jsonl"
-    lines = [{"prompt": "Say hi", "target": "hi"}, {"messages": [{"role": "user", "content": "Say yo"}], "target": "yo"}]
+    lines = [{"prompt": "Say hi", "target": "hi", "id": 1, "answer": "#### 2"},
+             {"messages": [{"role": "user", "content": "Say yo"}], "target": "yo", "id": 2, "answer": 3}]
     path.write_text("".join(json.dumps(x) + "\n" for x in lines))
     out_dir = str(tmp_path / "run")
-    out = run(args(out_dir, data=path, val_data=path, reward="tests.rl_rewards:contains_target", max_iters=1,
+    names = ["tests.rl_rewards:contains_target", "tests.rl_rewards:distinct_characters", "math"]
+    out = run(args(out_dir, data=path, val_data=path, reward=",".join(names), reward_weights="1,0.5,2", max_iters=1,
                    eval_examples=2, prompts_per_step=2))
     assert "2 train prompts" in out.stdout and "2 held-out prompts" in out.stdout
     assert "(before RL -> after)" in out.stdout
+    (step,) = step_metrics(out_dir)
+    each = [step[f"rewards/{name}/mean"] for name in names]
+    assert each[1] > 0 and step["reward_mean"] == pytest.approx(each[0] + 0.5 * each[1] + 2 * each[2], rel=1e-12)
     path.write_text(json.dumps({"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}))
     out = run(args(str(tmp_path / "bad"), data=path), check=False)
-    assert out.returncode != 0 and "prompts.jsonl:1: 'messages' ends with a assistant turn" in out.stderr
+    assert out.returncode != 0 and "prompts.jsonl:1 is SFT data but train_rl.py trains RL" in out.stderr
 
 
 def test_default_flow_from_a_dpo_folder(tmp_path):
