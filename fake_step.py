@@ -42,6 +42,7 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import common
+import configurator
 import context
 import generate as generation
 import packing
@@ -133,20 +134,29 @@ def worst_case_data(c, group_size, max_seq_len, gpus):
     return dict(ids=ids.reshape(-1), offsets=offsets, loss_mask=np.ones(units * group_size * n, dtype=np.uint8)), scale
 
 
+def config_keys(script):
+    """The config keys of a training script: the names its top level assigns (`name = default`). A script that runs no
+    step through common.setup and common.set_lr (sample.py, plot.py) cannot be planned: one line says so."""
+    with open(script) as f:
+        text = f.read()
+    if not all(f"common.{name}(" in text for name in ("setup", "set_lr")):
+        raise SystemExit(f"plan.py: {script} is not a training script (it calls no common.setup and common.set_lr, "
+                         f"whose step a plan runs); plan train_sft.py, train_dpo.py, train_rl.py or a copy of one")
+    return set(re.findall(r"^(\w+) = ", text, re.M))
+
+
 def plan_step(script, args, gpus=1, device="cuda", fake=True):
     """Run `script` with `args` for two steps as rank 0 of `gpus` -> dict of the second step's peak memory by category
-    (bytes), its phase, tokens and FLOPs on this rank. fake=False: real tensors (gpus > 1: each rank of a torchrun gloo
-    group), what the tests compare the plan against."""
-    with open(script) as f:  # the script's config keys: the names its top level assigns (`name = default`)
-        keys = set(re.findall(r"^(\w+) = ", f.read(), re.M))
+    (bytes), its phase, tokens and FLOPs on this rank, and the microbatch_tokens from which its step is one micro-batch
+    on every rank. fake=False: real tensors (gpus > 1: each rank of a torchrun gloo group), what the tests compare the
+    plan against."""
+    keys = config_keys(script)
     out_dir = tempfile.mkdtemp(prefix="plan-")
-    script_args = [script, *args] + [a for a in (
-        f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000", "--eval_interval=0",
-        "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu",
-        "--reward=fake_step:distinct_reward", "--reward_weights=None") if a[2:].partition("=")[0] in keys]
-    if device == "cuda":
-        script_args.append("--dtype=bfloat16")
-    state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None)
+    swapped = [f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000", "--eval_interval=0",
+               "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu",
+               "--reward=fake_step:distinct_reward", "--reward_weights=None"] + ["--dtype=bfloat16"] * (device == "cuda")
+    script_args = [script, *args] + [a for a in swapped if a[2:].partition("=")[0] in keys]
+    state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None, whole_step_tokens=0)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
 
     def setup_distributed(device_name="auto", timeout_s=300):  # real tensors on more ranks: torchrun's gloo group
@@ -162,6 +172,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     def load_data(data_dir, tok):
         if data_dir is not None:
             return real["load_data"](data_dir, tok)
+        state["worst_case_units"] = state["config"]["batch_size"]  # before worst_case_data cuts it
         data, state["scale"] = worst_case_data(state["config"], 2 if state["kind"] == "dpo" else 1,
                                                state["max_seq_len"], gpus)
         return data, data
@@ -209,8 +220,14 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             replies = real["generate"](decoding, prompts, max_new_tokens, (), *args, **{**kwargs, "generator": None})
         return [[1 + i % kwargs.get("num_samples", 1)] + [1] * (len(r) - 1) for i, r in enumerate(replies)]
 
-    def rank_bins(*args):  # a rank's micro-batches: the first two (the largest) stand for its alike rest
-        bins = real["rank_bins"](*args)
+    def rank_bins(units, lengths, token_budget, rank=0, world_size=1):  # a rank's first two bins stand for the rest
+        bins = real["rank_bins"](units, lengths, token_budget, rank, world_size)
+        if state["steps"] == 2:  # the step measured: from which microbatch_tokens on is it one micro-batch a rank?
+            step = lengths[units]
+            if "worst_case_units" in state:  # alike units, cut to two micro-batches a rank: the whole step has them all
+                step = np.full(state["worst_case_units"], step.max())
+            busiest = max(step[share].sum() for share in packing.balance(step, world_size))
+            state["whole_step_tokens"] = -(-int(busiest) // state["config"]["context_parallel"])
         if len(bins) > 2:
             state["scale"], bins = sum(map(len, bins)) / sum(map(len, bins[:2])), bins[:2]
         return bins
@@ -230,6 +247,11 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
             real["count"](meter, microbatches, data_time)
         if state["steps"] == 2:
             state["tokens"], state["flops"] = meter.tokens - tokens, meter.flops - flops
+
+    def refuse_resume(config, values, given):  # configure's init_from='resume': it would read the plan's out_dir
+        raise configurator.ConfigError("init_from='resume': a plan runs in a folder of its own and loads no "
+                                       "checkpoint; plan the run as it started (its config file and --key=value, its "
+                                       "first init_from): a resumed step holds the same memory")
 
     def reference_model(cls, mode, run):  # a live reference's frozen copy: its parameters are its own category
         ref = real["of_model"](cls, mode, run)
@@ -251,7 +273,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
         ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
         ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]]
-    patches += [(dataset, "read_prompts", read_prompts), (generation, "generate", generate),
+    patches += [(configurator, "restore_saved", refuse_resume), (dataset, "read_prompts", read_prompts),
+                (generation, "generate", generate),
                 (generation, "packed", on_host(generation.packed)), (packing, "rank_bins", rank_bins),
                 (fully_shard_module, "_init_default_mesh", default_mesh),
                 (common.StepGuard, "check", lambda self, *a: (True, False)),
@@ -299,7 +322,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         by_category["reference"] += moved
     scale = state.get("scale", 1.0)  # a step cut to two micro-batches a rank counts as the whole step
     return dict(by_category=by_category, phase=state["tracker"].phase, tokens=state["tokens"] * scale,
-                flops=state["flops"] * scale, config=state["config"])
+                flops=state["flops"] * scale, config=state["config"], whole_step_tokens=state["whole_step_tokens"])
 
 
 class Decoding:

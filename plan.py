@@ -3,22 +3,27 @@ Will this run fit? Runs a training script's own step on fake tensors (fake_step.
 GPU by category, the phase of the peak, whether it fits, and the largest microbatch_tokens that does.
 
     python plan.py train_sft.py config/sft_llama3.1_8b_fsdp.py --gpus=8 --gpu_memory=80 [--json=plan.json]
-    python plan.py train_dpo.py --preset=llama-3.1-8b --gpus=1 --lora_rank=16 --quantize_base=nf4
+    python plan.py train_dpo.py --init_from=scratch --preset=llama-3.1-8b --lora_rank=16 --quantize_base=nf4
     python plan.py train_rl.py --init_from=/models/Qwen3-1.7B --gpus=8 --k=8 --prompts_per_step=64
     python plan.py train_sft.py --preset=tiny --device=cpu     # a CPU run: no allowance, float32 as the script runs
 
 plan.py's own keys: --gpus (the world size planned, default 1), --gpu_memory (GiB per GPU, default 80), --json (write
 the figures there), --device ('cuda', default: a GPU run, bfloat16; 'cpu': the script's CPU run). Every other
---key=value and config file is the script's own. The CUDA context, NCCL's buffers and the caching allocator's
+--key=value and config file is the script's own (`python plan.py train_sft.py --help` lists them); the planned run's
+own printed lines are shown only where the plan fails. The CUDA context, NCCL's buffers and the caching allocator's
 fragmentation hold no tensors: on a GPU they are one stated allowance (ALLOWANCE_GIB, FRAGMENTATION).
 """
+import io
 import json
+import math
 import os
+import runpy
 import sys
 import time
 from contextlib import redirect_stdout
+from unittest import mock
 
-from fake_step import plan_step
+from fake_step import config_keys, plan_step
 
 GIB = 2 ** 30
 # Memory no tensor holds, on a GPU: the CUDA context with its kernels and NCCL's communicators and buffers (1 GiB
@@ -30,46 +35,55 @@ PLAN_KEYS = dict(gpus=1, gpu_memory=80.0, json="", device="cuda")
 
 def figures(script, args, gpus, gpu_memory, device):
     """One plan -> the figures of --json (allowance added for a GPU)."""
-    r = plan_step(script, args, gpus, device)
+    with redirect_stdout(io.StringIO()) as run_output:  # the planned run's own lines (1000000000 iterations, a loss
+        try:  # of 1) are no part of the plan; where the plan fails they are shown, ahead of its error
+            r = plan_step(script, args, gpus, device)
+        except (Exception, SystemExit):
+            sys.stderr.write(run_output.getvalue())
+            raise
     by = {k: v / GIB for k, v in r["by_category"].items()}
     if device == "cuda":
         by["allowance"] = ALLOWANCE_GIB + FRAGMENTATION * sum(by.values())
     peak = sum(by.values())
     return dict(world_size=gpus, gpu_memory_gib=gpu_memory, peak_gib=peak, peak_phase=r["phase"],
                 fits=peak <= gpu_memory, by_category_gib=by, tokens_per_step=int(r["tokens"]) * gpus,
-                flops_per_step=r["flops"] * gpus, microbatch_tokens=r["config"]["microbatch_tokens"])
+                flops_per_step=r["flops"] * gpus, microbatch_tokens=r["config"]["microbatch_tokens"],
+                whole_step_tokens=r["whole_step_tokens"])
 
 
 def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=256):
-    """The largest multiple of `step` tokens whose plan fits (0: none). The peak grows about linearly with the budget,
-    so the line through the last two plans guesses where it crosses gpu_memory; each guess narrows [fits, does not fit]
-    to one step: 3-5 plans on a line, bisection's count on a staircase (whole sequences a micro-batch). Twice the
-    budget at the same peak is a rank's whole step: larger budgets change nothing; the search stops (the smaller)."""
+    """-> (the largest multiple of `step` tokens whose plan fits (0: none), False), or (the budget from which a rank's
+    whole step is one micro-batch, True) where that fits: any larger plans alike. The peak grows about linearly with the
+    budget, so the line through the last two plans guesses where it crosses gpu_memory; each guess narrows [fits, does
+    not fit] to one step: 3-5 plans on a line, bisection's count on a staircase (whole sequences a micro-batch)."""
     def plan_at(n):
         progress(f"plan: microbatch_tokens={n * step:,}?")
         f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device)
-        return f["peak_gib"], f["fits"]
+        return f["peak_gib"], f["fits"], f["whole_step_tokens"]
     n0 = max(1, first["microbatch_tokens"] // step)
     lo, hi = (n0, None) if first["fits"] else (0, n0)
     peaks, sides, plateau = {n0: first["peak_gib"]}, [], False  # budget (in steps) -> its peak; each guess fit?
+    wholes = {n0: first["whole_step_tokens"]}  # budget (in steps) -> the budget holding its step in one micro-batch
     while hi is None or hi - lo > 1:
         (na, pa), (nb, pb) = sorted(peaks.items())[-2:] if len(peaks) > 1 else ((None, None), (None, None))
-        if hi is None and na and pb == pa and nb >= 2 * na:  # twice the budget, one peak: the same micro-batches,
-            first["search_capped"] = True  # the step's whole share: the smaller of the two
-            return na * step
-        if hi is None:  # grow: where the line through the two largest crosses, at least doubling the last gain
+        if hi is None and na and wholes[na] == wholes[nb] <= nb * step:  # the same step at two budgets (sequences no
+            return wholes[nb], True  # longer with more), one micro-batch at the larger: from there on all alike
+        if hi is None:  # grow: where the line through the two largest crosses, at least doubling the last gain, at
+            # most to where lo's whole step is one micro-batch
             line = int(nb + (gpu_memory - pb) * (nb - na) / (pb - pa)) if na and pb > pa else 0
             guess = max(line, 2 * lo - (na if sides[-1:] == [True] and na else 0), lo + 1)
+            whole = -(-wholes[lo] // step)
+            guess = min(guess, whole) if whole > lo else guess
         elif lo in peaks and peaks[hi] > peaks[lo] and not plateau and sides[-2:] not in ([True, True], [False, False]):
             guess = lo + int((gpu_memory - peaks[lo]) * (hi - lo) / (peaks[hi] - peaks[lo]))  # the bracket's line
         else:  # bisection: no line yet, or it missed (a staircase: whole sequences per micro-batch)
             guess = (lo + hi) // 2
         guess = max(lo + 1, guess if hi is None else min(guess, hi - 1))
-        peaks[guess], fits = plan_at(guess)
+        peaks[guess], fits, wholes[guess] = plan_at(guess)
         plateau = fits and peaks[guess] == peaks.get(lo)  # the line fell short on lo's stair: it cannot see its end
         sides.append(fits)
         lo, hi = (guess, hi) if fits else (lo, guess)
-    return lo * step
+    return lo * step, False
 
 
 def progress(line):
@@ -78,14 +92,17 @@ def progress(line):
 
 def table(f, seconds):
     state = sum(f["by_category_gib"][k] for k in ("parameters", "gradients", "optimizer"))
+    most, planned = f["max_microbatch_tokens"], f["microbatch_tokens"]
+    largest = f"largest microbatch_tokens that fits: {most:,} (planned at {planned:,})"
+    if f["any_larger_fits"]:
+        largest = (f"largest microbatch_tokens that fits: {most:,} or any larger (planned at {planned:,}): from "
+                   f"{most:,} on a rank's whole step is one micro-batch")
+    elif not most:
+        largest += (f": none, the parameters, gradients and optimizer state alone take {state:.2f} GiB a GPU (FSDP2 "
+                    f"shards them over more GPUs; LoRA trains adapters only)")
     rows = [f"{'category':<12} {'GiB':>8}"] + [f"{k:<12} {v:8.2f}" for k, v in f["by_category_gib"].items()]
     rows += [f"{'peak':<12} {f['peak_gib']:8.2f}  in {f['peak_phase']}, of {f['gpu_memory_gib']:g} GiB: "
-             f"{'fits' if f['fits'] else 'does NOT fit'}",
-             f"largest microbatch_tokens that fits: {f['max_microbatch_tokens']:,} (planned at "
-             f"{f['microbatch_tokens']:,})" + (" or any larger: from there on a rank's whole step is one micro-batch"
-                                                if f.get("search_capped") else "") + (
-                 f": none, the parameters, gradients and optimizer state alone take {state:.2f} GiB a GPU (FSDP2 "
-                 f"shards them over more GPUs; LoRA trains adapters only)" if not f["max_microbatch_tokens"] else ""),
+             f"{'fits' if f['fits'] else 'does NOT fit'}", largest,
              *(["generation's KV cache grows with prompts_per_step / GPUs x k x (prompt + max_new_tokens), not with "
                 "microbatch_tokens"] if f["peak_phase"] == "generation" else []),
              f"per step: {f['tokens_per_step']:,} tokens, {f['flops_per_step']:.3e} model FLOPs | "
@@ -93,33 +110,69 @@ def table(f, seconds):
     return "\n".join(rows)
 
 
-def main(argv):
+def options(argv):
+    """-> (script, plan.py's options, the script's arguments), each option checked before a plan starts."""
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.strip())
+        if argv[0].endswith(".py") and os.path.isfile(argv[0]) and config_keys(argv[0]):  # and the script's keys
+            print()
+            with mock.patch.object(sys, "argv", [argv[0], "--help"]):
+                runpy.run_path(argv[0], run_name="__main__")  # its configure prints them and exits 0
+        raise SystemExit(0)
     if not argv or not argv[0].endswith(".py") or not os.path.isfile(argv[0]):
         raise SystemExit("usage: python plan.py train_sft.py [config.py] [--gpus=8] [--gpu_memory=80] "
-                         "[--json=plan.json] [--device=cuda|cpu] [--key=value ...]")
-    t0, opts, args = time.perf_counter(), dict(PLAN_KEYS), []
+                         "[--json=plan.json] [--device=cuda|cpu] [--key=value ...]; --help tells more")
+    script, opts, args = argv[0], dict(PLAN_KEYS), []
+    keys = config_keys(script)
     for a in argv[1:]:
-        key, _, value = a[2:].partition("=")
-        if a.startswith("--") and key in PLAN_KEYS:
-            opts[key] = type(PLAN_KEYS[key])(value)
-        else:
+        key, eq, value = a[2:].partition("=")
+        if not a.startswith("--") or key not in PLAN_KEYS:
+            if a.startswith("--") and key not in keys:
+                raise SystemExit(f"config error: argument {a!r}: unknown key {key!r}; plan.py's own are --"
+                                 f"{', --'.join(PLAN_KEYS)}, and `python {script} --help` lists the script's")
             args.append(a)
-    if opts["device"] not in ("cuda", "cpu") or opts["gpus"] < 1:
-        raise SystemExit(f"plan: --device={opts['device']!r} --gpus={opts['gpus']}; device is 'cuda' or 'cpu', "
-                         f"gpus at least 1")
-    script, plan_args = argv[0], (argv[0], args, opts["gpus"], opts["gpu_memory"], opts["device"])
+            continue
+        need = option_error(key, value) if eq else f"write it --{key}=value"
+        if need:
+            raise SystemExit(f"config error: argument {a!r}: {need}")
+        opts[key] = type(PLAN_KEYS[key])(value)
+    return script, opts, args
+
+
+def option_error(key, value):
+    """What is wrong with plan.py's own --key=value ('': nothing)."""
+    if key == "gpus":
+        return "" if value.isdigit() and int(value) >= 1 else "the number of GPUs planned, a whole number, at least 1"
+    if key == "gpu_memory":
+        try:
+            return "" if 0 < float(value) < math.inf else "GiB per GPU, a number above 0 (80 for an H100)"
+        except ValueError:
+            return "GiB per GPU, a number above 0 (80 for an H100)"
+    if key == "device":
+        return "" if value in ("cuda", "cpu") else "'cuda' (a GPU run, bfloat16) or 'cpu' (the script's CPU run)"
+    folder = os.path.dirname(os.path.abspath(value))  # --json: written after the plan, so checked before it
+    if not value or os.path.isdir(value):
+        return "a file to write the figures to, such as plan.json"
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist; create it, or write the figures elsewhere"
+    return "" if os.access(folder, os.W_OK) else f"the folder {folder} cannot be written"
+
+
+def main(argv):
+    t0 = time.perf_counter()
+    script, opts, args = options(argv)
+    plan_args = (script, args, opts["gpus"], opts["gpu_memory"], opts["device"])
     progress(f"plan: {script} on {opts['gpus']} x {opts['gpu_memory']:g} GiB ({opts['device']}), two steps on fake "
              f"tensors")
-    with redirect_stdout(sys.stderr):  # the script's own lines are progress; stdout is the table
-        f = figures(*plan_args)
-        f["max_microbatch_tokens"] = max_microbatch_tokens(*plan_args, f)
+    f = figures(*plan_args)
+    f["max_microbatch_tokens"], f["any_larger_fits"] = max_microbatch_tokens(*plan_args, f)
     f["seconds"] = time.perf_counter() - t0
     print(table(f, f["seconds"]))
     if opts["json"]:
         with open(opts["json"], "w") as out:
             json.dump({k: f[k] for k in ("world_size", "gpu_memory_gib", "peak_gib", "peak_phase", "fits",
-                                         "max_microbatch_tokens", "by_category_gib", "tokens_per_step",
-                                         "flops_per_step", "seconds")}, out, indent=1)
+                                         "max_microbatch_tokens", "any_larger_fits", "by_category_gib",
+                                         "tokens_per_step", "flops_per_step", "seconds")}, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line per run, against optimizer steps.
 
     python plot.py out/sft out/dpo                 # writes runs.png
-    python plot.py out/dpo --out=dpo.png
+    python plot.py out/dpo/metrics.jsonl --out=dpo.png     # a run's out_dir, or its metrics.jsonl
 
 Panels, those some run logged: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in
 task: greedy replies in the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected
@@ -24,32 +24,71 @@ PANELS = [  # (title, [(metrics key, label suffix)])
 ]
 
 
-def read(run_dir):
-    path = os.path.join(run_dir, "metrics.jsonl")
+def read(run):
+    """A run's rows, from its out_dir's metrics.jsonl or that file named; a last line cut short (a run stopped while
+    writing it) is skipped, and said."""
+    path = run if os.path.isfile(run) else os.path.join(run, "metrics.jsonl")
     if not os.path.exists(path):
         sys.exit(f"plot.py: {path} does not exist; pass the out_dir of a run (it writes metrics.jsonl)")
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    with open(path, errors="replace") as f:
+        lines = f.readlines()
+    rows = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            if i < len(lines):
+                sys.exit(f"plot.py: {path}:{i} is not a JSON line ({e}); fix or delete that line")
+            print(f"note: {path}:{i}, the last line, is cut short (a run stopped while writing it): skipped")
+            continue
+        if not (isinstance(row, dict) and isinstance(row.get("iter"), int)):
+            sys.exit(f"plot.py: {path}:{i} is not a metrics row (a JSON object with 'iter'): {line.strip()[:80]}; "
+                     f"pass a run's out_dir or its metrics.jsonl")
+        rows.append(row)
+    return path, rows
 
 
 def main(argv):
-    out = next((a.split("=", 1)[1] for a in argv if a.startswith("--out=")), "runs.png")
-    runs = [a for a in argv if not a.startswith("--")]
+    if {"-h", "--help"} & set(argv):
+        print(__doc__.strip())
+        return
+    for a in argv:
+        if a.startswith("-") and not a.startswith("--out="):
+            sys.exit(f"plot.py: unknown option {a!r}; the one option is --out=FILE.png (--help)")
+    out = next((a[len("--out="):] for a in argv if a.startswith("--out=")), "runs.png")
+    runs = [a for a in argv if not a.startswith("-")]
     if not runs:
         sys.exit(__doc__)
+    out += "" if os.path.splitext(out)[1] else ".png"  # savefig would add it to the file, not to our "wrote" line
+    folder = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(folder):
+        sys.exit(f"plot.py: --out={out}: the folder {folder} does not exist; create it, or write the plot elsewhere")
     try:
         import matplotlib
         matplotlib.use("Agg")  # files only, no display needed
         import matplotlib.pyplot as plt
     except ImportError:
         sys.exit("plot.py needs matplotlib, an optional dependency: pip install matplotlib")
-    runs = {run_dir: read(run_dir) for run_dir in runs}
+    formats = matplotlib.figure.Figure().canvas.get_supported_filetypes()
+    if os.path.splitext(out)[1][1:].lower() not in formats:
+        sys.exit(f"plot.py: --out={out}: matplotlib writes {', '.join(sorted(formats))}, not this extension")
+    runs = dict(read(run) for run in runs)
+    empty = [path for path, rows in runs.items() if not rows]
+    runs = {path: rows for path, rows in runs.items() if rows}
+    if not runs:
+        sys.exit(f"plot.py: nothing to plot: {', '.join(empty)} empty (a run logs a line every log_interval steps)")
+    for path in empty:
+        print(f"note: {path} is empty (the run has logged nothing yet): left out")
     panels = [p for p in PANELS if any(m.get(key) is not None for rows in runs.values() for m in rows
                                        for key, _ in p[1])]  # only what some run logged
+    if not panels:
+        sys.exit(f"plot.py: nothing to plot: no run logged any of {', '.join(k for _, s in PANELS for k, _ in s)}")
     fig, (axes,) = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)  # one row
     offset = 0  # each run continues where the previous one ended
-    for run_dir, rows in runs.items():
-        name = os.path.basename(os.path.normpath(run_dir))
+    for path, rows in runs.items():
+        name = os.path.basename(os.path.dirname(os.path.abspath(path)))
         for ax, (title, series) in zip(axes, panels):
             for key, suffix in series:
                 points = [(offset + m["iter"], m[key]) for m in rows if m.get(key) is not None]

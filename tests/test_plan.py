@@ -123,29 +123,33 @@ PEAKS = {  # GiB at a budget of n tokens: what a plan's peak can look like
     "curve": (lambda n: 10 + 1e-9 * n * n + 1e-4 * n, 12),
     "stairs of 2,048 (whole sequences)": (lambda n: 5 + 0.001 * (n // 2048 * 2048), 8),
     "stairs of 8,192, top step just under": (lambda n: 20.7 + 0.0004 * (n // 8192 * 8192), 20),
-    "capped (a rank's whole step)": (lambda n: 5 + 1e-4 * min(n, 40_000), 4), "never fits": (lambda n: 81.0, 8)}
+    "capped (a rank's whole step)": (lambda n: 5 + 1e-4 * min(n, 40_000), 4),
+    "capped, one sequence a rank as long as the budget up to 40,000": (lambda n: 5 + 1e-4 * min(n, 40_000), 5),
+    "never fits": (lambda n: 81.0, 8)}
+WHOLE_STEPS = {  # the budget from which a rank's step is one micro-batch, at a budget of n; else past any budget searched
+    "capped (a rank's whole step)": lambda n: 40_000,
+    "capped, one sequence a rank as long as the budget up to 40,000": lambda n: min(n, 40_000)}
 
 
 @pytest.mark.parametrize("shape", PEAKS)
 @pytest.mark.parametrize("start", [8192, 16384, 32768])
 def test_the_search_finds_the_largest_budget_that_fits(monkeypatch, shape, start):
-    """The answer equals brute force over every multiple of 256 (where it is not capped: past a rank's whole step
-    every budget fits), within a bound of plans per shape: 3-5 on a line (bisection took ~10), about bisection's
-    count on stairs."""
+    """The answer equals brute force over every multiple of 256, or where past a rank's whole step every budget fits,
+    that step's size (not where the search stopped), within a bound of plans per shape: 3-5 on a line (bisection took
+    ~10), about bisection's count on stairs."""
     peak_of, most = PEAKS[shape]
+    whole_step = WHOLE_STEPS.get(shape, lambda n: 10 ** 9)
     calls = []
 
     def figures(script, args, gpus, gpu_memory, device):
         calls.append(int(args[-1].split("=")[1]))
-        return dict(peak_gib=peak_of(calls[-1]), fits=peak_of(calls[-1]) <= gpu_memory)
+        return dict(peak_gib=peak_of(calls[-1]), fits=peak_of(calls[-1]) <= gpu_memory,
+                    whole_step_tokens=whole_step(calls[-1]))
     monkeypatch.setattr(plan, "figures", figures)
     first = dict(figures(None, [f"--microbatch_tokens={start}"], 1, 80.0, "cuda"), microbatch_tokens=start)
-    found = plan.max_microbatch_tokens(None, [], 1, 80.0, "cuda", first)
+    found, any_larger = plan.max_microbatch_tokens(None, [], 1, 80.0, "cuda", first)
     fits = [n for n in range(256, 400_000, 256) if peak_of(n) <= 80.0]
-    if first.get("search_capped"):
-        assert shape.startswith("capped") and found >= 40_000
-    else:
-        assert found == (fits[-1] if fits else 0)
+    assert (found, any_larger) == ((40_000, True) if shape in WHOLE_STEPS else (fits[-1] if fits else 0, False))
     assert len(calls) - 1 <= most, calls
 
 
@@ -153,8 +157,8 @@ def test_a_plan_that_does_not_fit_fits_at_the_reported_maximum():
     args = TINY[:-2] + ["--max_len=256", "--batch_size=8", "--microbatch_tokens=1024"]
     first = plan.figures("train_sft.py", args, 1, 0.011, "cpu")
     assert not first["fits"]
-    found = plan.max_microbatch_tokens("train_sft.py", args, 1, 0.011, "cpu", first)
-    assert 256 <= found < 1024
+    found, any_larger = plan.max_microbatch_tokens("train_sft.py", args, 1, 0.011, "cpu", first)
+    assert 256 <= found < 1024 and not any_larger
     at = lambda n: plan.figures("train_sft.py", args + [f"--microbatch_tokens={n}"], 1, 0.011, "cpu")["fits"]
     assert at(found) and not at(found + 256)
 
@@ -200,3 +204,63 @@ def test_a_long_step_is_planned_from_two_micro_batches_a_rank():
     long, short = (peak("train_sft.py", args + [f"--batch_size={n}"]) for n in (32, 4))
     assert long["by_category"] == short["by_category"]
     assert (long["tokens"], long["flops"]) == (8 * short["tokens"], 8 * short["flops"])
+
+
+@pytest.mark.parametrize("argv,says", [
+    (["train_sft.py", "--gpus=abc"], "'--gpus=abc': the number of GPUs planned, a whole number"),
+    (["train_sft.py", "--gpus=2.5"], "'--gpus=2.5': the number of GPUs planned, a whole number"),
+    (["train_sft.py", "--gpu_memory=-5"], "'--gpu_memory=-5': GiB per GPU, a number above 0"),
+    (["train_sft.py", "--device=tpu"], "'--device=tpu': 'cuda' (a GPU run, bfloat16) or 'cpu'"),
+    (["train_sft.py", "--json=/nowhere/plan.json"], "the folder /nowhere does not exist"),
+    (["train_sft.py", "--gpu=8"], "unknown key 'gpu'; plan.py's own are --gpus, --gpu_memory"),
+    (["plot.py"], "plot.py is not a training script"), (["sample.py"], "sample.py is not a training script")])
+def test_every_option_is_checked_before_a_plan_starts(monkeypatch, argv, says):
+    """One line each, and no plan run first (--json was refused after the whole plan; plot.py and sample.py ran)."""
+    def planned(*args):
+        raise AssertionError("a plan started before the options were checked")
+    monkeypatch.setattr(plan, "figures", planned)
+    with pytest.raises(SystemExit) as e:
+        plan.main(argv)
+    assert says in str(e.value) and "\n" not in str(e.value), e.value
+
+
+@pytest.mark.parametrize("where", ["command line", "config file"])
+def test_a_resumed_run_is_refused_by_name(tmp_path, where):
+    """init_from='resume' read ckpt.pt from the plan's own folder and named that path; a plan loads no checkpoint."""
+    config = tmp_path / "resume.py"
+    config.write_text("init_from = 'resume'\n")
+    args = TINY[1:] + (["--init_from=resume"] if where == "command line" else [str(config)])
+    with pytest.raises(SystemExit) as e:
+        peak("train_sft.py", args)
+    assert str(e.value).startswith("config error: init_from='resume': a plan runs in a folder of its own"), e.value
+
+
+def test_help_prints_plan_and_script_keys_and_exits_0(capsys):
+    with pytest.raises(SystemExit) as e:
+        plan.main(["train_sft.py", "--help"])
+    out = capsys.readouterr().out
+    assert e.value.code in (0, None) and "--gpu_memory" in out and "--microbatch_tokens=4096" in out
+
+
+def test_a_plan_prints_its_report_not_the_planned_runs_lines(capsys, tmp_path):
+    """The run's own lines (its 1000000000 iterations, a loss of 1) stay out of stdout and stderr; the search reports
+    where a rank's whole step becomes one micro-batch (4 examples x 128 tokens), and the JSON says any larger fits."""
+    plan.main(["train_sft.py", *TINY, "--device=cpu", f"--json={tmp_path / 'plan.json'}"])
+    out, err = capsys.readouterr()
+    assert "iterations" not in out + err and "model:" not in out + err, out + err
+    assert "largest microbatch_tokens that fits: 512 or any larger" in out, out
+    figures = json.loads((tmp_path / "plan.json").read_text())
+    assert (figures["max_microbatch_tokens"], figures["any_larger_fits"]) == (4 * 128, True)
+
+
+@pytest.mark.parametrize("script,args,gpus", [("train_sft.py", TINY[:2] + ["--batch_size=8", "--max_len=128"], 2),
+                                              ("train_rl.py", RL[:2] + ["--prompts_per_step=2", "--k=2",
+                                                                        "--max_new_tokens=4"], 1)])
+def test_a_ranks_whole_step_is_one_microbatch_from_the_reported_budget(script, args, gpus):
+    """whole_step_tokens is the rank's step (its tokens: SFT's worst case, cut to two micro-batches, counted whole;
+    RL's groups), and planned at that budget the step is the one planned at a larger (the default 4,096) budget."""
+    larger = plan.plan_step(script, args, gpus, "cpu")
+    whole = larger["whole_step_tokens"]
+    at = plan.plan_step(script, args + [f"--microbatch_tokens={whole}"], gpus, "cpu")
+    assert whole < larger["config"]["microbatch_tokens"] and at["tokens"] == larger["tokens"] == whole
+    assert at["by_category"] == larger["by_category"] and at["whole_step_tokens"] == whole

@@ -5,6 +5,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from conftest import ROOT
 
 
@@ -36,3 +38,47 @@ def test_plot_without_matplotlib_says_so(tmp_path):
     r = subprocess.run([sys.executable, "plot.py", run], cwd=ROOT, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=str(tmp_path)))
     assert r.returncode != 0 and "pip install matplotlib" in r.stderr and "Traceback" not in r.stderr
+
+
+def plot(*args):
+    return subprocess.run([sys.executable, "plot.py", *map(str, args)], cwd=ROOT, capture_output=True, text=True)
+
+
+def test_plot_help_prints_it_and_exits_0():
+    r = plot("--help")
+    assert r.returncode == 0 and "--out=" in r.stdout, r.stderr
+
+
+def test_a_last_line_cut_mid_write_is_skipped_and_said(tmp_path):
+    run = fake_run(tmp_path / "sft", [dict(iter=i, loss=1.0 / i) for i in range(1, 4)])
+    with open(os.path.join(run, "metrics.jsonl"), "a") as f:
+        f.write('{"iter": 4, "lo')  # a run killed while writing its fourth line
+    r = plot(run, f"--out={tmp_path / 'cut.png'}")
+    assert r.returncode == 0, r.stderr
+    assert "metrics.jsonl:4, the last line, is cut short" in r.stdout and (tmp_path / "cut.png").exists()
+
+
+def test_the_metrics_file_itself_is_a_run(tmp_path):
+    """Named instead of its folder; an --out without an extension gets .png, and the "wrote" line says so."""
+    run = fake_run(tmp_path / "sft", [dict(iter=i, loss=1.0 / i) for i in range(1, 4)])
+    r = plot(os.path.join(run, "metrics.jsonl"), f"--out={tmp_path / 'loss'}")
+    assert r.returncode == 0, r.stderr
+    assert f"wrote {tmp_path / 'loss.png'}" in r.stdout
+    with open(tmp_path / "loss.png", "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("case,says", [("empty", "empty"), ("out into a missing folder", "does not exist"),
+                                       ("a bad line inside", "metrics.jsonl:2 is not a JSON line"),
+                                       ("an unknown option", "unknown option '--output")])
+def test_what_cannot_be_plotted_is_one_line(tmp_path, case, says):
+    rows = [] if case == "empty" else [dict(iter=1, loss=1.0), dict(iter=2, loss=0.5)]
+    run = fake_run(tmp_path / "sft", rows)
+    if case == "a bad line inside":
+        with open(os.path.join(run, "metrics.jsonl"), "w") as f:
+            f.write('{"iter": 1, "loss": 1.0}\n{"iter": 2, "lo\n{"iter": 3, "loss": 0.5}\n')
+    extra = {"out into a missing folder": f"--out={tmp_path / 'no' / 'runs.png'}",
+             "an unknown option": f"--output={tmp_path / 'runs.png'}"}.get(case, f"--out={tmp_path / 'runs.png'}")
+    r = plot(run, extra)
+    assert r.returncode != 0 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert not os.path.exists(tmp_path / "runs.png")
