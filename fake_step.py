@@ -44,6 +44,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 import common
 import context
 import generate as generation
+import hub
 import packing
 import reference
 from data import dataset
@@ -251,7 +252,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
         ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
         ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]]
-    patches += [(dataset, "read_prompts", read_prompts), (generation, "generate", generate),
+    patches += [(hub, "PLAN", True),  # a hub name: its config.json and tokenizer only, no weights, no data
+                (dataset, "read_prompts", read_prompts), (generation, "generate", generate),
                 (generation, "packed", on_host(generation.packed)), (packing, "rank_bins", rank_bins),
                 (fully_shard_module, "_init_default_mesh", default_mesh),
                 (common.StepGuard, "check", lambda self, *a: (True, False)),

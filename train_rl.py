@@ -41,11 +41,11 @@ from reference import Reference
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
 out_dir = "out/rl"
-init_from = "out/dpo/hf"  # the model `python train_dpo.py` leaves; any Hugging Face folder, 'scratch' or 'resume'
+init_from = "out/dpo/hf"  # what `python train_dpo.py` leaves; any Hugging Face folder or hub name, 'scratch', 'resume'
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
 chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
-data = "builtin"  # 'builtin' (the arithmetic task's hard split) or prompt records (see above)
+data = "builtin"  # 'builtin' (the arithmetic task's hard split) or prompt records (see above; a hub dataset too)
 data_split = None  # records: the split of a folder holding several (e.g. 'train'), by file-name prefix
 val_data = None  # records: held-out prompts for evaluation (builtin: the hard split's val chats)
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test')
