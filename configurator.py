@@ -147,6 +147,7 @@ def restore_saved(config, values, given):
         if key not in given or new == old or hub.recorded_as(new, (saved.get("hub") or {}).get(key)):
             values[key] = config[key] = old
         elif key in FIXED_ON_RESUME:
+            old = (saved.get("hub") or {}).get(key, old)  # a hub name: as the run recorded it, not its cache folder
             raise ConfigError(f"{key}={new!r} differs from the run being resumed ({key}={old!r}), and {key} cannot "
                               f"change on resume; drop --{key}, or start a new run in another out_dir")
         elif is_master():

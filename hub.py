@@ -286,7 +286,7 @@ def split_name(path):
 def explain(e, repo, kind, revision):
     """The hub client's exception -> one line naming the repo and what to do; None: not the hub's (a bug: raised)."""
     from huggingface_hub import constants, errors
-    page = f"https://huggingface.co/{'datasets/' * (kind == 'dataset')}{repo}"
+    page = f"{constants.ENDPOINT}/{'datasets/' * (kind == 'dataset')}{repo}"
     status = getattr(getattr(e, "response", None), "status_code", None)
     at = f"@{revision}" if revision else ""
     if isinstance(e, RepoError):

@@ -120,8 +120,8 @@ def test_downloads_only_what_a_run_reads(server, use_hub):
 
 @pytest.mark.parametrize("values, line", [
     (dict(init_from="nanopack-test/gated"), "nanopack-test/gated is gated or needs a login (401): accept its licence "
-                                            "on https://huggingface.co/nanopack-test/gated, then log in with `hf auth "
-                                            "login` (or set HF_TOKEN)"),
+                                            "on http://127.0.0.1:"),  # the endpoint's page of the repo
+    (dict(init_from="nanopack-test/gated"), "/nanopack-test/gated, then log in with `hf auth login` (or set HF_TOKEN)"),
     (dict(init_from="nanopack-test/dropped"), "cannot reach the hub at http://127.0.0.1:"),
     (dict(init_from="nanopack-test/missing"), "no model repo nanopack-test/missing on the hub"),
     (dict(init_from="nanopack-test/bin-only"), "no safetensors weights (model.safetensors or "
@@ -250,6 +250,11 @@ def test_sft_by_name_records_its_commits_and_resumes_on_them(tmp_path, repos):
     ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=False)
     assert ckpt["iter_num"] == 2 and ckpt["config"]["hub"] == pins and ckpt["start"]["init_from"] == snapshot
     assert len(step_metrics(out_dir)) == 2
+    from configurator import configure  # another revision on resume: refused, naming the recorded commit
+    with pytest.raises(SystemExit, match=f"data='nanopack-test/chats@v2' differs from the run being resumed "
+                                         f"\\(data='nanopack-test/chats@{'c' * 40}'\\)"):
+        configure(dict(out_dir="", init_from="", data=""), ["--init_from=resume", f"--out_dir={out_dir}",
+                                                           "--data=nanopack-test/chats@v2"])
 
 
 def test_dpo_and_rl_by_name(tmp_path, repos):
