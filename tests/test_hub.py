@@ -61,6 +61,7 @@ def use_hub(tmp_path, monkeypatch):
         monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
                             endpoint + "/{repo_id}/resolve/{revision}/{filename}")
         monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+        monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "harnesses.json"), raising=False)
         monkeypatch.delenv("HF_TOKEN", raising=False)
         return str(tmp_path / "home" / "hub")
     return use
