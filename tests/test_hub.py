@@ -280,8 +280,8 @@ def test_sample_and_plan_by_name(server, use_hub, monkeypatch, capsys):
     import plan
     use_hub(server.endpoint)
     server.log.clear()
-    result = plan.plan_step(os.path.join(ROOT, "train_sft.py"), [f"--init_from={MODEL}", "--data=nanopack-test/prefs",
-                            "--data_split=train_prefs", "--batch_size=2", "--microbatch_tokens=256"], device="cpu")
+    result = plan.plan_step(os.path.join(ROOT, "train_sft.py"), [f"--init_from={MODEL}", "--data=nanopack-test/chats",
+                            "--data_split=train", "--batch_size=2", "--microbatch_tokens=256"], device="cpu")
     assert result["by_category"]["parameters"] > 0
     assert sorted(server.downloads()) == ["config.json", "generation_config.json", "tokenizer.json",
                                           "tokenizer_config.json"]
