@@ -17,6 +17,7 @@ from data.dataset import check_fits, check_kind, load_data, prepare_data
 from data.prepare import BAD_RECORDS, OVERLONG
 import lora
 from hf import fingerprint, from_pretrained, load_hf_weights, read_hf_config
+import hub
 from model import PRESETS, ModelConfig, Transformer, attention_backend, config_from_preset
 from packing import PackedLoader
 from parallel import fail, lock_out_dir, precision, print0, setup_distributed, teardown_distributed, wrap_model
@@ -143,8 +144,8 @@ def check_run(c, kind):
         hint = {"dpo": "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`",
                 "rl": "; RL starts from a fine-tuned model: make the default one with `python train_sft.py && "
                       "python train_dpo.py`"}.get(kind, "")
-        fail(f"config error: init_from={c['init_from']!r}; it is neither 'scratch', 'resume' nor a Hugging Face model "
-             f"folder (with a config.json){hint}")
+        fail(f"config error: init_from={c['init_from']!r}; it is neither 'scratch', 'resume', a Hugging Face model "
+             f"folder (with a config.json) nor a hub name (org/name[@revision]){hint}")
     if c["init_from"] != "resume":
         try:
             check_kind(c["data"], c["data_split"], c["val_data"], c["val_split"], kind)
@@ -168,6 +169,7 @@ def setup(config, kind, builtin_sizes=None):
     check_run(c, kind)
     lock_out_dir(c["out_dir"])  # a second run into a live run's out_dir stops before it changes anything
     rank, world_size, device = setup_distributed(c["device"], c["dist_timeout"])
+    hub.check_same_on_all_ranks(c.get("hub"))  # the names' commits, resolved by each process before the group existed
     cp = context.setup(c.get("context_parallel", 1), rank, world_size, c["dist_timeout"])
     torch.manual_seed(c["seed"])
     dtype, ptdtype, autocast = precision(device, c["dtype"], c["parallel"], world_size)

@@ -13,6 +13,7 @@ import re
 import sys
 
 from checkpoint import load_checkpoint
+import hub
 from parallel import fail, is_master
 
 FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer", "batch_size", "seed",
@@ -66,7 +67,12 @@ def configure(config, argv=None, finetune=None, rules=None):
         values = apply_overrides(config, argv, given)
         if values.get("init_from") == "resume":
             values = restore_saved(config, values, given)
-        elif finetune and pretrained(values.get("init_from", "")):
+        folders, pins = hub.resolve(values)  # hub names -> their local snapshot folders; the commits recorded
+        values.update(folders)
+        config.update(folders)
+        if pins:
+            values["hub"] = pins
+        if values.get("init_from") != "resume" and finetune and pretrained(values.get("init_from", "")):
             chosen = {k: v for k, v in finetune.items() if k not in given}
             for key, value in chosen.items():
                 values[key] = config[key] = value
@@ -138,13 +144,16 @@ def restore_saved(config, values, given):
         if key not in values or key in ("init_from", "out_dir"):  # where the run is now, and that it resumes
             continue
         new = values[key]
-        if key not in given or new == old:
+        if key not in given or new == old or hub.recorded_as(new, (saved.get("hub") or {}).get(key)):
             values[key] = config[key] = old
         elif key in FIXED_ON_RESUME:
+            old = (saved.get("hub") or {}).get(key, old)  # a hub name: as the run recorded it, not its cache folder
             raise ConfigError(f"{key}={new!r} differs from the run being resumed ({key}={old!r}), and {key} cannot "
                               f"change on resume; drop --{key}, or start a new run in another out_dir")
         elif is_master():
             print(f"resume: overriding {key} {old!r} -> {new!r}", flush=True)
+    if saved.get("hub"):  # the commits the run read: it reads them again
+        values["hub"] = saved["hub"]
     return values
 
 

@@ -45,6 +45,7 @@ import common
 import configurator
 import context
 import generate as generation
+import hub
 import packing
 import reference
 from data import dataset
@@ -154,7 +155,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     out_dir = tempfile.mkdtemp(prefix="plan-")
     swapped = [f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000", "--eval_interval=0",
                "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu",
-               "--reward=fake_step:distinct_reward", "--reward_weights=None"] + ["--dtype=bfloat16"] * (device == "cuda")
+               "--reward=fake_step:distinct_reward", "--reward_weights=None"]
+    swapped += ["--dtype=bfloat16"] * (device == "cuda")
     script_args = [script, *args] + [a for a in swapped if a[2:].partition("=")[0] in keys]
     state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None, whole_step_tokens=0)
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
@@ -273,7 +275,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
         ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
         ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]]
-    patches += [(configurator, "restore_saved", refuse_resume), (dataset, "read_prompts", read_prompts),
+    patches += [(hub, "PLAN", True),  # a hub name: its config.json and tokenizer only, no weights, no data
+                (configurator, "restore_saved", refuse_resume), (dataset, "read_prompts", read_prompts),
                 (generation, "generate", generate),
                 (generation, "packed", on_host(generation.packed)), (packing, "rank_bins", rank_bins),
                 (fully_shard_module, "_init_default_mesh", default_mesh),

@@ -50,6 +50,8 @@ class MetricsLogger:
                         continue
                     if row and row.get("iter", 0) <= resume_iter:
                         kept.append(line.rstrip("\n") + "\n")  # a last line cut just before its newline
+            if not kept and (config or {}).get("hub"):  # a run from hub names: their commits head its log
+                kept = [json.dumps(dict(iter=0, hub=config["hub"])) + "\n"]
             with open(self.path + ".tmp", "w") as f:
                 f.writelines(kept)
             os.replace(self.path + ".tmp", self.path)

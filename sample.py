@@ -6,6 +6,7 @@ Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder.
     python sample.py --model=out/sft/hf                                # interactive chat
     python sample.py --model=out/sft/ckpt.pt --temperature=0.8 --top_p=0.95 --num_samples=3
     python sample.py --model=~/models/Qwen3-0.6B --chat_template_kwargs="{'enable_thinking': False}"
+    python sample.py --model=HuggingFaceTB/SmolLM2-135M-Instruct --prompt="Hi"     # a hub name: downloaded once
 
 A reply is printed as the model writes it, special tokens included (<think>...</think>, <tool_call>...), the token
 that ends it left out, and goes back into a chat's history as written. It ends at max_new_tokens, or where prompt +
@@ -30,14 +31,14 @@ def load_model(path, device):
         tok = Tokenizer.from_dir(path) if Tokenizer.has_files(path) else Tokenizer.byte_level()
         return from_pretrained(path, dtype=torch.float32, device=device), tok
     if not os.path.exists(path):
-        sys.exit(f"sample.py: {path} does not exist; pass --model=<Hugging Face folder or ckpt.pt>")
+        sys.exit(f"sample.py: {path} does not exist; pass --model=<Hugging Face folder, hub name or ckpt.pt>")
     model, ckpt = checkpoint_model(path, device)  # the weights from its DCP folder; the optimizer state stays on disk
     return model, get_tokenizer(ckpt["tokenizer"])
 
 
 if __name__ == "__main__":
-    model = "out/sft/hf"  # a Hugging Face folder or a ckpt.pt
-    tokenizer = ""  # 'byte' or a folder with tokenizer files; default: the model's (see load_model)
+    model = "out/sft/hf"  # a Hugging Face folder, a hub name (org/name[@revision]) or a ckpt.pt
+    tokenizer = ""  # 'byte' or a folder (or hub name) with tokenizer files; default: the model's (see load_model)
     prompt = ""  # one user message; empty: interactive chat
     system = ""
     chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}

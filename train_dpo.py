@@ -30,11 +30,11 @@ from reference import Reference, cache_key, split_logps
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
 out_dir = "out/dpo"
-init_from = "out/sft/hf"  # the model `python train_sft.py` leaves; any Hugging Face folder, 'scratch' or 'resume'
+init_from = "out/sft/hf"  # what `python train_sft.py` leaves; any Hugging Face folder or hub name, 'scratch', 'resume'
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
 chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
-data = "builtin"  # 'builtin' (arithmetic pairs), records (.jsonl, .parquet, shards, glob) or data/prepare.py's folder
+data = "builtin"  # 'builtin' (arithmetic pairs), records (.jsonl, .parquet, shards, glob, hub name), a prepared folder
 data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
 val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')

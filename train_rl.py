@@ -39,7 +39,7 @@ from rewards import RewardError, Rewards
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
 out_dir = "out/rl"
-init_from = "out/dpo/hf"  # the model `python train_dpo.py` leaves; any Hugging Face folder, 'scratch' or 'resume'
+init_from = "out/dpo/hf"  # what `python train_dpo.py` leaves; any Hugging Face folder or hub name, 'scratch', 'resume'
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
 chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}

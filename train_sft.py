@@ -26,10 +26,10 @@ from parallel import all_reduce_sum, print0, sync_gradients, teardown_distribute
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value
 out_dir = "out/sft"
-init_from = "scratch"  # 'scratch' (a `preset`), a Hugging Face model folder, or 'resume' (out_dir/ckpt.pt)
+init_from = "scratch"  # 'scratch' (a `preset`), a Hugging Face folder or hub name (org/name[@revision]), or 'resume'
 preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
 tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder, else 'byte'
-data = "builtin"  # 'builtin' (arithmetic chats), records (.jsonl, .parquet, shards, glob) or data/prepare.py's folder
+data = "builtin"  # 'builtin' (arithmetic chats), records (.jsonl, .parquet, shards, glob, hub name), a prepared folder
 data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
 val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')

@@ -1,0 +1,293 @@
+"""Hub names (hub.py): `org/name[@revision]` for models and data resolves to the local snapshot folder, downloading only
+what a run reads, one line per failure, the commit recorded with the run and read again on resume. Nothing here touches
+the real hub: a hub cache laid out in a temp HF_HOME with HF_HUB_OFFLINE=1, or a local server (tests/hub_fixture.py)
+that HF_ENDPOINT points at."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import hub
+from conftest import ROOT, as_args, run_script, step_metrics
+from hub_fixture import HubServer, dataset_repos, lay_out_cache, model_repo
+
+pytest.importorskip("huggingface_hub")
+MODEL = "nanopack-test/tiny-chat"
+ROUTED_NOWHERE = "http://127.0.0.1:9"  # the discard port: were anything to reach for the network, it fails at once
+
+
+@pytest.fixture(scope="module")
+def repos(tmp_path_factory):
+    """Two commits of one model repo (different weights), and the dataset repos."""
+    root = tmp_path_factory.mktemp("repos")
+    shutil.copytree(model_repo(str(root / "model")), root / "bin-only", ignore=shutil.ignore_patterns("*.safetensors"))
+    return dict(bin_only=str(root / "bin-only"), model=str(root / "model"),
+                model_v2=model_repo(str(root / "model_v2"), seed=1),
+                sharded=model_repo(str(root / "sharded"), shard_bytes=100_000), **dataset_repos(str(root / "datasets")))
+
+
+@pytest.fixture(scope="module")
+def server(repos):
+    s = HubServer()
+    s.add("model", MODEL, repos["model"])
+    for name in ("nanopack-test/chats", "nanopack-test/prefs", "nanopack-test/prompts", "nanopack-test/scripted",
+                 "nanopack-test/math"):
+        s.add("dataset", name, repos[name])
+    s.add("dataset", "nanopack-test/converted", repos["nanopack-test/converted"], revisions=("refs/convert/parquet",))
+    s.add("model", "nanopack-test/sharded", repos["sharded"])
+    s.add("model", "nanopack-test/bin-only", repos["bin_only"])
+    s.add("model", "nanopack-test/gated", repos["model"])
+    s.gated.add("nanopack-test/gated")
+    s.add("model", "nanopack-test/dropped", repos["model"])
+    s.drop.add("nanopack-test/dropped")
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def use_hub(tmp_path, monkeypatch):
+    """huggingface_hub in this process pointed at a temp cache and at `endpoint` (it reads its environment once, when
+    imported: its constants are patched), no token from this machine."""
+    from huggingface_hub import constants
+
+    def use(endpoint=ROUTED_NOWHERE, offline=False):
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "home" / "hub"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE",
+                            endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(tmp_path / "no-token"))
+        monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "harnesses.json"), raising=False)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        return str(tmp_path / "home" / "hub")
+    return use
+
+
+def offline_env(home):
+    return dict(HF_HOME=str(home), HF_HUB_OFFLINE="1", HF_ENDPOINT=ROUTED_NOWHERE, HF_HUB_DISABLE_PROGRESS_BARS="1",
+                HF_TOKEN="")
+
+
+def cached(home, repos, commit_of):
+    """HF_HOME/hub holding the model (main) and the datasets, each at the commit commit_of gives its folder."""
+    cache = os.path.join(home, "hub")
+    lay_out_cache(cache, "model", MODEL, repos["model"], commit_of["model"])
+    for name in ("nanopack-test/chats", "nanopack-test/prefs", "nanopack-test/prompts"):
+        lay_out_cache(cache, "dataset", name, repos[name], commit_of[name])
+    return cache
+
+
+COMMITS = {"model": "a" * 40, "model_v2": "b" * 40, "nanopack-test/chats": "c" * 40, "nanopack-test/prefs": "d" * 40,
+           "nanopack-test/prompts": "e" * 40}
+
+
+def test_names_and_paths(tmp_path, monkeypatch):
+    assert hub.parse("Qwen/Qwen2.5-0.5B-Instruct") == ("Qwen/Qwen2.5-0.5B-Instruct", None, None)
+    assert hub.parse("meta-llama/Llama-3.1-8B@v1.0") == ("meta-llama/Llama-3.1-8B", None, "v1.0")
+    assert hub.parse("openai/gsm8k/main@refs/convert/parquet", dataset=True) == ("openai/gsm8k", "main",
+                                                                                  "refs/convert/parquet")
+    for path in ("out/sft/hf", "data/chats.jsonl", "/models/x", "~/models/x", "./a/b", "builtin", "scratch", "a--b/c",
+                 "data/*.parquet", "out/sft/ckpt.pt"):
+        assert hub.parse(path) is None, path  # as today: whatever reads it says it is not there
+    monkeypatch.chdir(tmp_path)
+    os.makedirs(MODEL)
+    assert hub.parse(MODEL) is None  # a local folder of the same name wins
+    assert hub.resolve(dict(init_from=MODEL, data="builtin")) == ({}, {})  # nothing imported, nothing fetched
+
+
+def test_downloads_only_what_a_run_reads(server, use_hub):
+    """A model: config, generation config, tokenizer files and the safetensors, never the .bin, original/ or GGUF
+    decoys beside them; a dataset: the asked split's shards (and its card), not the other splits'."""
+    use_hub(server.endpoint)
+    server.log.clear()
+    folders, pins = hub.resolve(dict(init_from=MODEL, data="nanopack-test/prefs", data_split="train_prefs",
+                                     val_data="nanopack-test/prefs", val_split="test_prefs"))
+    assert sorted(server.downloads()) == sorted([
+        "config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json", "model.safetensors",
+        "README.md", "data/train_prefs-00000-of-00001.parquet", "data/test_prefs-00000-of-00001.parquet"])
+    assert sorted(os.listdir(folders["init_from"])) == ["config.json", "generation_config.json", "model.safetensors",
+                                                        "tokenizer.json", "tokenizer_config.json"]
+    commit = pins["init_from"].split("@")[1]
+    assert folders["init_from"].endswith(os.path.join("models--nanopack-test--tiny-chat", "snapshots", commit))
+    assert folders["data"] == folders["val_data"] and folders["data"].endswith("data")
+    server.log.clear()  # again: all in the cache, only the hub's answer of which commit main is
+    assert hub.resolve(dict(init_from=MODEL)) == ({"init_from": folders["init_from"]}, {"init_from": pins["init_from"]})
+    assert server.downloads() == []
+
+
+@pytest.mark.parametrize("values, line", [
+    (dict(init_from="nanopack-test/gated"), "nanopack-test/gated is gated or needs a login (401): accept its licence "
+                                            "on http://127.0.0.1:"),  # the endpoint's page of the repo
+    (dict(init_from="nanopack-test/gated"), "/nanopack-test/gated, then log in with `hf auth login` (or set HF_TOKEN)"),
+    (dict(init_from="nanopack-test/dropped"), "cannot reach the hub at http://127.0.0.1:"),
+    (dict(init_from="nanopack-test/missing"), "no model repo nanopack-test/missing on the hub"),
+    (dict(init_from="nanopack-test/bin-only"), "no safetensors weights (model.safetensors or "
+                                               "model.safetensors.index.json) at its root, only model-q4.gguf, "
+                                               "original/consolidated.00.pth, pytorch_model.bin; nanopack reads "
+                                               "safetensors only"),
+    (dict(init_from=MODEL + "@v9"), "nanopack-test/tiny-chat has no revision 'v9' (a branch, tag or commit)"),
+    (dict(data="nanopack-test/prefs"), "several splits (test_prefs, train_prefs, train_sft): choose one with "
+                                       "--data_split"),
+    (dict(data="nanopack-test/prefs", data_split="test"), "no split 'test'; its splits: test_prefs, train_prefs"),
+    (dict(data="nanopack-test/scripted"), "a loading script (its .py), which needs `datasets`: download its data by "
+                                          "hand, or read the hub's Parquet conversion, --data=nanopack-test/scripted/"
+                                          "<config>/<split>@refs/convert/parquet"),
+    (dict(data="nanopack-test/math"), "configs main, socratic and none is the default: name one, "
+                                      "--data=nanopack-test/math/main"),
+    (dict(data="nanopack-test/math/main"), "several splits (test, train): choose one with --data_split"),
+])
+def test_hub_failures_are_one_line(server, use_hub, values, line):
+    use_hub(server.endpoint)
+    with pytest.raises(SystemExit) as e:
+        hub.resolve(values)
+    assert line in e.value.code and "\n" not in e.value.code and e.value.code.startswith("hub: ")
+
+
+def test_sharded_weights_and_dataset_configs(server, use_hub):
+    """A sharded model: the shards its index names, not a consolidated.safetensors beside them; a config named after
+    the repo (gsm8k's main); the hub's Parquet conversion, a revision with slashes and a folder a split."""
+    use_hub(server.endpoint)
+    server.log.clear()
+    folders, _ = hub.resolve(dict(init_from="nanopack-test/sharded", data="nanopack-test/math/main", data_split="test",
+                                  val_data="nanopack-test/converted/default/train@refs/convert/parquet"))
+    with open(os.path.join(folders["init_from"], hub.INDEX)) as f:
+        shards = sorted(set(json.load(f)["weight_map"].values()))
+    assert len(shards) > 1 and sorted(f for f in server.downloads() if f.endswith("safetensors")) == shards
+    assert os.path.basename(folders["data"]) == "main"
+    assert os.listdir(folders["data"]) == ["test-00000-of-00001.parquet"]  # the config's asked split only
+    assert sorted(os.listdir(folders["val_data"])) == ["0000.parquet", "0001.parquet"]
+    from data.prepare import data_files
+    assert len(data_files(folders["val_data"])) == 2 and len(data_files(folders["data"], "test")) == 1
+
+
+def test_offline_reads_the_cache_and_never_the_network(tmp_path, repos, use_hub):
+    cache = use_hub(offline=True)
+    with pytest.raises(SystemExit, match=r"nanopack-test/tiny-chat@main is not in the hub cache .* HF_HUB_OFFLINE=1 "
+                                         r"forbids downloading: run once online, or unset HF_HUB_OFFLINE"):
+        hub.resolve(dict(init_from=MODEL))
+    lay_out_cache(cache, "model", MODEL, repos["model"], COMMITS["model"], refs=("main",))
+    lay_out_cache(cache, "model", MODEL, repos["model_v2"], COMMITS["model_v2"], refs=("v2",))
+    for revision, commit in (("", "a"), ("@v2", "b"), ("@" + "b" * 40, "b")):  # a branch, a tag, a commit
+        folders, pins = hub.resolve(dict(init_from=MODEL + revision))
+        assert pins["init_from"] == f"{MODEL}@{commit * 40}"
+        assert folders["init_from"] == os.path.join(cache, "models--nanopack-test--tiny-chat", "snapshots", commit * 40)
+
+
+SMALL = dict(max_iters=1, batch_size=4, microbatch_tokens=512, eval_interval=0, eval_examples=0, log_interval=1)
+
+
+def test_two_processes_download_a_repo_once(tmp_path, server):
+    """Two processes resolving one name at once (two ranks, or two nodes on a shared filesystem): one downloads while
+    the other waits on the cache's lock, then finds every file there; each file crosses the network once."""
+    env = dict(os.environ, HF_HOME=str(tmp_path / "home"), HF_ENDPOINT=server.endpoint, HF_TOKEN="",
+               HF_HUB_DISABLE_PROGRESS_BARS="1")
+    code = ("import sys, types; sys.modules['parallel'] = types.SimpleNamespace(fail=sys.exit, print0=print)  # no "
+            f"torch to import: seconds\nimport hub; print(hub.resolve(dict(init_from={MODEL!r}))[0]['init_from'])")
+    server.log.clear()
+    server.delay = 0.3  # each file: the first process holds the lock while the second starts
+    try:
+        procs = [subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=dict(env, LOCAL_RANK=str(rank)),
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in range(2)]
+        outs = [p.communicate(timeout=300) for p in procs]
+    finally:
+        server.delay = 0.0
+    assert all(p.returncode == 0 for p in procs), outs
+    folders = {out.strip().splitlines()[-1] for out, _ in outs}
+    assert len(folders) == 1 and sorted(os.listdir(folders.pop())) == [
+        "config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(server.downloads()) == ["config.json", "generation_config.json", "model.safetensors",
+                                          "tokenizer.json", "tokenizer_config.json"]  # once each
+    heads = [p for m, p in server.log if m == "HEAD"]
+    assert len(heads) == 5, heads  # and asked about once each: by the process that held the lock
+
+
+def test_ranks_that_resolved_different_commits_stop(monkeypatch):
+    """Each process resolves its names before the process group exists: a branch pushed to in between splits them,
+    and setup stops at its first collective with one line, instead of training ranks on different bytes."""
+    import torch.distributed as dist
+    pins = {"init_from": f"{MODEL}@{'a' * 40}"}
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [
+        obj, {"init_from": f"{MODEL}@{'b' * 40}"}]))
+    with pytest.raises(SystemExit, match=f"hub: init_from is {MODEL}@a{{40}} on rank 0 but {MODEL}@b{{40}} on rank 1 "
+                                         r"\(pushed to while the ranks started\): pin it, --init_from="):
+        hub.check_same_on_all_ranks(pins)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [obj, obj]))
+    hub.check_same_on_all_ranks(pins)
+
+
+def train(script, home, out_dir, *extra, check=True, **cfg):
+    args = as_args(out_dir=out_dir, **cfg)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **offline_env(home))
+    out = subprocess.run([sys.executable, script, *args, *extra], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600, env=env)
+    if check:
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return out
+
+
+def test_sft_by_name_records_its_commits_and_resumes_on_them(tmp_path, repos):
+    """A run by names prints and records each name's commit (the saved config, metrics.jsonl's first line); after main
+    moves to a new commit, --init_from=resume (given the same names again) reads the commits the run started from."""
+    home, out_dir = tmp_path / "home", str(tmp_path / "run")
+    cache = cached(home, repos, COMMITS)
+    names = dict(data="nanopack-test/chats", data_split="train", val_data="nanopack-test/chats", val_split="test")
+    out = train("train_sft.py", home, out_dir, **dict(SMALL, init_from=MODEL, **names))
+    snapshot = os.path.join(cache, "models--nanopack-test--tiny-chat", "snapshots", "a" * 40)
+    assert f"hub: init_from={MODEL} is commit {'a' * 40}: 5 file(s)" in out.stdout
+    pins = {"init_from": f"{MODEL}@{'a' * 40}", "data": f"nanopack-test/chats@{'c' * 40}",
+            "val_data": f"nanopack-test/chats@{'c' * 40}"}
+    ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=False)
+    assert ckpt["config"]["hub"] == pins and ckpt["start"]["init_from"] == snapshot
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        assert json.loads(f.readline()) == dict(iter=0, hub=pins)
+    lay_out_cache(os.path.join(home, "hub"), "model", MODEL, repos["model_v2"], "b" * 40, refs=("main",))
+    out = train("train_sft.py", home, out_dir, **dict(SMALL, init_from="resume", max_iters=2, **names))
+    ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=False)
+    assert ckpt["iter_num"] == 2 and ckpt["config"]["hub"] == pins and ckpt["start"]["init_from"] == snapshot
+    assert len(step_metrics(out_dir)) == 2
+    from configurator import configure  # another revision on resume: refused, naming the recorded commit
+    with pytest.raises(SystemExit, match=f"data='nanopack-test/chats@v2' differs from the run being resumed "
+                                         f"\\(data='nanopack-test/chats@{'c' * 40}'\\)"):
+        configure(dict(out_dir="", init_from="", data=""), ["--init_from=resume", f"--out_dir={out_dir}",
+                                                           "--data=nanopack-test/chats@v2"])
+
+
+def test_dpo_and_rl_by_name(tmp_path, repos):
+    """DPO from a commit with pairs by name (a split the card names), RL from a branch with prompts by name: offline."""
+    home = tmp_path / "home"
+    cache = cached(home, repos, COMMITS)
+    lay_out_cache(cache, "model", MODEL, repos["model_v2"], "b" * 40, refs=("v2",))
+    out = train("train_dpo.py", home, str(tmp_path / "dpo"), **SMALL, init_from=f"{MODEL}@{'a' * 40}",
+                data="nanopack-test/prefs", data_split="train_prefs", val_data="nanopack-test/prefs",
+                val_split="test_prefs")
+    assert f"hub: data=nanopack-test/prefs is commit {'d' * 40}: 2 file(s)" in out.stdout  # the card and the split
+    out = train("train_rl.py", home, str(tmp_path / "rl"), init_from=f"{MODEL}@v2", data="nanopack-test/prompts",
+                reward="tests.rl_rewards:distinct_characters", k=2, prompts_per_step=2, max_new_tokens=4, max_iters=1,
+                eval_interval=0, eval_examples=0)
+    assert f"hub: init_from={MODEL}@v2 is commit {'b' * 40}" in out.stdout
+
+
+def test_sample_and_plan_by_name(server, use_hub, monkeypatch, capsys):
+    """sample.py talks to a model by name; plan.py plans one by name from its config.json and tokenizer files alone
+    (data by name it does not download: the worst case stands for it)."""
+    import runpy
+    import plan
+    use_hub(server.endpoint)
+    server.log.clear()
+    result = plan.plan_step(os.path.join(ROOT, "train_sft.py"), [f"--init_from={MODEL}", "--data=nanopack-test/chats",
+                            "--data_split=train", "--batch_size=2", "--microbatch_tokens=256"], device="cpu")
+    assert result["by_category"]["parameters"] > 0
+    assert sorted(server.downloads()) == ["config.json", "generation_config.json", "tokenizer.json",
+                                          "tokenizer_config.json"]
+    monkeypatch.setattr(sys, "argv", ["sample.py", f"--model={MODEL}", "--prompt=hi", "--max_new_tokens=2",
+                                      "--device=cpu"])
+    runpy.run_path(os.path.join(ROOT, "sample.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert f"hub: model={MODEL} is commit" in out and out.rstrip().endswith("---")
+    assert "model.safetensors" in server.downloads()
