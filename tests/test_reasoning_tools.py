@@ -223,6 +223,27 @@ def test_openai_weight(folders):
         ours.render_pair([U("2+2?")], [A("4", weight=0)], "5")
 
 
+# how each writes a reply and ends it (a trained run: this, after whitespace the tokenizer merged into it)
+WRITTEN = {"mistral": lambda c: " " + c.strip() + "</s>", "gemma2": lambda c: c.strip() + "<end_of_turn>",
+           "deepseek-r1": lambda c: c + "<｜end▁of▁sentence｜>"}
+
+
+@pytest.mark.parametrize("name", list(WRITTEN))
+def test_random_conversations_as_transformers(folders, name):
+    """Mistral v0.3, Gemma-2 and DeepSeek-R1 on test_tokenizer's random conversations (spaces, newlines, unicode,
+    control bytes; no system message: Gemma refuses one, Mistral writes it only before a final user turn): the ids are
+    transformers', each reply as the template writes it is trained, nothing else."""
+    from test_tokenizer import random_conversations
+    _, ours, theirs = folders[name]
+    for conv in random_conversations(20, seed=1):
+        conv = [m for m in conv if m["role"] != "system"]
+        ids, mask = ours.render(conv)
+        assert ids == theirs.apply_chat_template(conv, return_dict=False)
+        got = [ours.decode(run) for run in runs(ids, mask)]
+        want = [WRITTEN[name](m["content"]) for m in conv if m["role"] == "assistant"]
+        assert len(got) == len(want) and all(g.endswith(w) and not g[:-len(w)].strip() for g, w in zip(got, want))
+
+
 def test_single_added_token_ids(folders):
     """<think> and <tool_call> written in a message are their single ids (as transformers tokenizes the text), not
     plain-text pieces; and so for the template's own."""
