@@ -4,9 +4,10 @@ Chat templates: the text a conversation becomes, and which of it is trained.
 A folder's own template (chat_template.jinja, else tokenizer_config.json "chat_template") is compiled and rendered as
 transformers does, messages, tools and chat_template_kwargs passed as apply_chat_template passes them. Without one
 (and for the byte-level tokenizer) a built-in format is used (TEMPLATES).
-Trained (loss mask 1): each assistant turn as the template writes it, from right after the generation header through
-the special token that ends it, reasoning and tool calls included. All else is 0: bos, headers, default system
-prompts, system, user and tool turns. A template with {% generation %} blocks says itself what is trained.
+Trained (loss mask 1): each assistant turn as the template writes it, from where its prompt ends (the conversation
+before it, then the generation header) through the stop token that ends it, reasoning and tool calls included. All
+else is 0: bos, headers, default system prompts, system, user and tool turns. A template with {% generation %} blocks
+says itself what is trained.
 """
 import hashlib
 import itertools
@@ -106,10 +107,13 @@ class ChatTemplate:
         digest = hashlib.sha256(json.dumps([source, variables], sort_keys=True, default=str).encode()).hexdigest()
         self.id = f"model-{digest[:12]}"
 
-    def render(self, messages, add_generation_prompt=False, tools=None, kwargs=None, blocks=None):
-        """The text apply_chat_template renders; blocks: a list to append each generation block's (start, end) to."""
+    def render(self, messages, add_generation_prompt=False, tools=None, kwargs=None, blocks=None, read=None):
+        """The text apply_chat_template renders; blocks: a list to append each generation block's (start, end) to;
+        read: a set to add the path of each message field the template reads to ("[1].weight")."""
+        messages = [aliased(m) for m in messages]
+        messages = messages if read is None else [ReadLog.of(m, read, f"[{i}]") for i, m in enumerate(messages)]
         try:
-            text = self.jinja.render(messages=[aliased(m) for m in messages], tools=tools, documents=None, **{
+            text = self.jinja.render(messages=messages, tools=tools, documents=None, **{
                 **self.variables, **(kwargs or {}), "add_generation_prompt": add_generation_prompt})
         except jinja2.TemplateError as e:  # raise_exception(...) in the template, an undefined name, ...
             raise ValueError(f"{self.where}: the template cannot render this conversation: "
@@ -121,47 +125,105 @@ class ChatTemplate:
         return "".join(parts)
 
     def check(self, messages, tools, kwargs, free):
-        """Refuse a variable the template never reads, or a message field it does not write: each value replaced by a
+        """Refuse a variable the template never reads, or a message field it does not use: a string replaced by a
         character the data lacks (from `free`) must appear in the rendering, an assistant turn's in the conversation up
-        to it (Qwen3 leaves earlier turns' reasoning out of the history)."""
+        to it (Qwen3 leaves earlier turns' reasoning out of the history); a number or bool (OpenAI's weight: 0) must be
+        read, if only as a condition. An empty string, list or dict holds nothing to lose."""
         unread = [name for name in [*kwargs, *["tools"] * bool(tools)] if name not in self.reads]
         if unread:
             raise ValueError(f"{self.where}: the template reads no variable {unread[0]!r} (it reads "
                              f"{', '.join(sorted(self.reads))}); drop it from tools / chat_template_kwargs")
-        if all(m.keys() <= {"role", "content"} and m["role"] in ROLES[:3] for m in messages):
-            return
-        marks = {}
-        marked = map_values(messages, lambda path, x: x if not x or UNCHECKED.search(path) else marks.setdefault(
-            path, next(free)))
-        text = self.render(marked, False, tools, kwargs)
-        for path, m in marks.items():
-            i = int(path[1:path.index("]")])
-            if m not in text and (messages[i]["role"] != "assistant" or
-                                  m not in self.render(marked[:i + 1], False, tools, kwargs)):
-                raise ValueError(f"messages{path}, in a {messages[i]['role']!r} message, is not in what the "
-                                 f"template writes ({self.where}), so it would be dropped: remove it, or use a "
-                                 f"template that renders it")
+        marks, values = {}, {}
 
-    def reply_spans(self, text, messages, trained, args, mark):
-        """(start, end) in text of each trained assistant reply: where a rendering with it replaced by mark differs,
-        the start moved back to the generation header's end if no turn ends between (Qwen3's <think>)."""
-        spans, header = [], self.generation_header(args[2])
-        for i in trained:
-            if messages[i]["role"] != "assistant":
+        def marked_value(path, x):
+            if isinstance(x, str) and x and not UNCHECKED.search(path):
+                return marks.setdefault(path, next(free))
+            if not isinstance(x, str):
+                values[path] = x
+            return x
+        marked = map_values(messages, marked_value)
+        if not marks and not values:  # configure_chat's check of the variables alone
+            return
+        read = set() if values else None  # logging the keys read costs a tenth of a rendering
+
+        def uses(path, text):
+            return marks[path] in text if path in marks else was_read(path, read)
+        text = self.render_probe(marked, messages, "messages", (False, tools, kwargs), read=read)
+        for path in [*marks, *values]:
+            i = int(path[1:path.index("]")])
+            if uses(path, text) or messages[i]["role"] == "assistant" and uses(path, self.render_probe(
+                    marked[:i + 1], messages[:i + 1], "messages", (False, tools, kwargs), read=read)):
                 continue
-            other = self.render(messages[:i] + [dict(role="assistant", content=mark)] + messages[i + 1:], *args)
-            if mark not in other:
-                continue  # the template does not write this reply
-            start = common_prefix_len(text, other)
-            end = max(start, len(text) - common_prefix_len(text[::-1], other[::-1]))
-            at = text.rfind(header, 0, start) if header else -1
-            if at >= 0 and self.eot not in text[at:start]:
-                start = at + len(header)
+            what = "is not in what the template writes" if path in marks else \
+                f"is {values[path]!r}, and the template never reads it"
+            raise ValueError(f"messages{path}, in a {messages[i]['role']!r} message, {what} ({self.where}), so it "
+                             f"would be dropped: remove it, or use a template that renders it")
+
+    def reply_spans(self, text, messages, trained, args, mark, specials, stops):
+        """(start, end) in text of each trained assistant reply: from where its prompt ends (reply_start) through the
+        first stop token (a special token in `stops`) after its last value, if that comes before the next message's;
+        where its values stand: where a rendering with them replaced by mark differs (their fields kept, so that the
+        template takes the same branches)."""
+        regions = {}
+
+        def region(i):  # (start, end) of message i's values in text, or None: the template writes none of them
+            if i not in regions and i < len(messages):
+                texts_marked = map_values(messages[i], lambda path, x: mark if isinstance(x, str) and x and not
+                                          UNCHECKED.search(f"[0]{path}") else x)  # names and ids kept
+                other = self.render_probe(messages[:i] + [texts_marked] + messages[i + 1:], messages, f"messages[{i}]",
+                                          args)
+                start = common_prefix_len(text, other)
+                regions[i] = (start, max(start, len(text) - common_prefix_len(text[::-1], other[::-1]))) \
+                    if mark in other else None
+            return regions.get(i)
+        spans = []
+        for i in trained:
+            if messages[i]["role"] != "assistant" or region(i) is None:
+                continue
+            s, e = region(i)
+            lo = spans[-1][1] if spans else 0
+            # a header matched in part (DeepSeek-R1's <think>), a probe that changed the closing token too (Llama-3.1's
+            # <|eom_id|> vs <|eot_id|>): a start or end inside a special token moves to its start
+            start = token_start(text, self.reply_start(text, messages[:i], s, args, lo), specials, lo)
+            e = token_start(text, e, specials, s)
+            stop = next((t for t in specials.finditer(text, e) if t[0] in stops), None)
+            if stop is not None and text[e:stop.start()].strip() and (region(i + 1) or [len(text)])[0] < stop.end():
+                stop = None  # no stop token before the next message: the reply ends with its last value
+            end = e if stop is None else stop.end()
             if spans and start < spans[-1][1]:
                 raise ValueError(f"{self.where}: the template does not write the replies once each and in order, "
                                  f"so the trained tokens cannot be told apart")
             spans.append((start, end))
         return spans
+
+    def render_probe(self, probe, messages, what, args, read=None):
+        """The rendering of probe, messages with the text of `what` replaced by marks; if the template refuses it but
+        not messages, an error that says so (the data is not at fault)."""
+        try:
+            return self.render(probe, *args, read=read)
+        except ValueError as e:
+            self.render(messages, *args)  # the conversation's own error first
+            raise ValueError(f"{self.where}: the template refuses nanopack's probe of the conversation (the text of "
+                             f"{what} replaced by marks, to see where the template writes it) though it renders the "
+                             f"conversation itself: {str(e).split(': ', 1)[-1]} — please report it") from None
+
+    def reply_start(self, text, before, s, args, lo):
+        """Where the reply after the messages `before` starts in text (s: its first value; lo: no earlier): after the
+        generation header of the chat_template_kwargs, or the template's default one where the reply does not follow
+        that (Qwen3's enable_thinking=False on a turn with reasoning), the later one found in its turn; with neither,
+        after the rendering of `before` (a prefix of text, else where its longest tail in text[lo:s] ends) and as much
+        of a header as the text has there (DeepSeek-R1's <｜Assistant｜> of <｜Assistant｜><think>\n)."""
+        headers = [h for h in {self.generation_header(args[2]), self.generation_header({})} if h]
+        ends = [text.rfind(h, lo, s) + len(h) for h in headers if text.rfind(h, lo, s) >= 0]
+        ends = [end for end in ends if self.eot not in text[end:s]]
+        if ends:
+            return max(ends)
+        try:
+            prior = self.render(before, False, *args[1:])
+        except ValueError:  # a template that will not render the conversation before the reply
+            return s
+        at = len(prior) if text.startswith(prior) else tail_end(text, prior, lo, s)
+        return s if at is None else min(s, at + max(common_prefix_len(text[at:at + len(h)], h) for h in [*headers, ""]))
 
     def generation_header(self, kwargs):
         """What add_generation_prompt adds after a user turn ('' if it adds nothing at the end)."""
@@ -193,6 +255,60 @@ def aliased(message):
     return message if reasoning is None else {"thinking": reasoning, **message, "reasoning_content": reasoning}
 
 
+class ReadLog(dict):
+    """A message, or a dict in one, that adds "path.key" to a set for each of its keys a template reads."""
+
+    @classmethod
+    def of(cls, x, read, path):
+        """x with each dict in it a ReadLog."""
+        if isinstance(x, dict):
+            log = cls({k: cls.of(v, read, f"{path}.{k}") for k, v in x.items()})
+            log._read, log._path = read, path  # a template cannot see these: the sandbox hides _names
+            return log
+        return [cls.of(v, read, f"{path}[{i}]") for i, v in enumerate(x)] if isinstance(x, (list, tuple)) else x
+
+    def _log(self, keys):
+        self._read.update(f"{self._path}.{k}" for k in keys)
+
+    def __getitem__(self, key):
+        self._log([key])
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._log([key])
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self._log([key])
+        return super().__contains__(key)
+
+    def items(self):  # also tojson's (json.dumps calls a dict subclass's items())
+        self._log(self.keys())
+        return super().items()
+
+    def values(self):
+        self._log(self.keys())
+        return super().values()
+
+    def __iter__(self):
+        self._log(super().keys())
+        return super().__iter__()
+
+    def __repr__(self):  # |string
+        self._log(self.keys())
+        return super().__repr__()
+
+
+def was_read(path, read):
+    """Whether the field at path ("[1].tool_calls[0].function.arguments.n"), or a dict holding it, is in `read`; a
+    reasoning field under any of the names transformers passes it under."""
+    parts = re.findall(r"\[\d+\]|\.[^.[]+", path)  # "[1]", ".tool_calls", "[0]", ".function", ...
+    heads = ["".join(parts[:n]) for n in range(2, len(parts) + 1)]
+    if parts[1][1:] in REASONING_FIELDS:
+        heads += [f"{parts[0]}.{name}" for name in REASONING_FIELDS]
+    return any(head in read for head in heads)
+
+
 def map_values(x, fn, path=""):
     """x (messages: lists and dicts) with each other value v replaced by fn(path to it, v), e.g. "[2].content"."""
     if isinstance(x, dict):
@@ -215,6 +331,22 @@ def guess_template(special_tokens, where):
 def token_text(token):
     """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
     return token.get("content") if isinstance(token, dict) else token
+
+
+def token_start(text, at, specials, lo):
+    """at, or the start of the special token (specials matches them, from lo on) that it falls inside."""
+    token = next((t for t in specials.finditer(text, lo) if t.end() > at), None)
+    return token.start() if token is not None and token.start() < at else at
+
+
+def tail_end(text, prior, lo, hi):
+    """Where, in text[lo:hi], the rightmost occurrence of the longest tail of prior found there ends (None: none)."""
+    at, shortest, longest = None, 1, min(len(prior), hi - lo)
+    while shortest <= longest:  # a tail found means every shorter one is found too: halving
+        k = (shortest + longest) // 2
+        found = text.rfind(prior[-k:], lo, hi)
+        at, shortest, longest = (found + k, k + 1, longest) if found >= 0 else (at, shortest, k - 1)
+    return at
 
 
 def common_prefix_len(a, b):

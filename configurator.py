@@ -7,6 +7,7 @@ other keys: "[0, learning_rate]"). --help prints the config block with its comme
 init_from='resume' takes the run's saved config; FIXED_ON_RESUME keys cannot change.
 """
 import ast
+import json
 import math
 import os
 import re
@@ -37,6 +38,8 @@ def _check(config, key, value, text, where):
         return value  # None and 'auto' defaults take values of other types too; the rules check them
     if isinstance(default, str) and text is not None:
         return text  # a string key takes the text as written: --wandb_run_name=123
+    if isinstance(default, dict) and isinstance(value, str) and text is not None:
+        value = parse_dict(text, key, where)
     same_kind = isinstance(value, bool) == isinstance(default, bool)  # True is an int to Python, not a batch size
     if same_kind and isinstance(value, type(default)):
         return value
@@ -44,6 +47,15 @@ def _check(config, key, value, text, where):
         return float(value)
     raise ConfigError(f"{where}: {key}={value!r} is of type {type(value).__name__}, "
                       f"but {key} must be of type {type(default).__name__} (default {default!r})")
+
+
+def parse_dict(text, key, where):
+    """A dict as a Python literal ({'enable_thinking': False}) or as JSON ({"enable_thinking": false})."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        raise ConfigError(f"{where}: {key}={text!r} is neither a Python dict ({{'enable_thinking': False}}) nor JSON "
+                          f"({{\"enable_thinking\": false}})") from None
 
 
 def _parse(text):

@@ -68,6 +68,17 @@ if __name__ == "__main__":
         sys.exit(f"sample.py: cannot load {model}: {e}")
     net.eval()
     messages = [{"role": "system", "content": system}] if system else []
+
+    def refusal(messages):
+        """Why the template cannot render messages and a user turn (None: it can)."""
+        try:
+            tok.render_prompt(messages + [{"role": "user", "content": "Hi"}])
+        except ValueError as e:
+            return e
+
+    if why := refusal(messages):  # one line, before any chat: Gemma's template refuses a system role
+        sys.exit(f"sample.py: the chat template has no system role ({why}); drop --system, or put it in the "
+                 f"prompt" if system and not refusal([]) else f"sample.py: {why}")
     positions = net.config.max_seq_len  # prompt + reply: generate() stops a reply there
 
     def reply(messages):

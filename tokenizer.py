@@ -83,6 +83,7 @@ class Tokenizer:
                              f"{list(TEMPLATES)}")
         self.stop_ids = [self.eos_id] + [special_tokens[s] for s in END_OF_TEXT
                                          if s in special_tokens and special_tokens[s] != self.eos_id]
+        self._stop_texts = {s for s, i in special_tokens.items() if i in self.stop_ids}  # what ends a reply
         self.bos_id = special_tokens.get(bos) if bos else None
 
     # plain text -----------------------------------------------------------------------------------
@@ -145,9 +146,10 @@ class Tokenizer:
         return self
 
     def render(self, messages, add_generation_prompt=False, trained_from=0, tools=None, **kwargs):
-        """[{"role", "content", ...}, ...] -> (ids, loss_mask), assistant messages from index trained_from on trained;
-        tools and kwargs (over chat_template_kwargs) reach the template as apply_chat_template passes them."""
-        kwargs, trained = {**self.chat_template_kwargs, **kwargs}, range(trained_from, len(messages))
+        """[{"role", "content", ...}, ...] -> (ids, loss_mask), assistant messages from index trained_from on trained
+        (but those with OpenAI's "weight": 0); tools and kwargs (over chat_template_kwargs) reach the template as
+        apply_chat_template passes them."""
+        kwargs, (messages, trained) = {**self.chat_template_kwargs, **kwargs}, weighed(messages, trained_from)
         if self.template == "model":
             return self._render_model(messages, add_generation_prompt, trained, tools, kwargs)
         extra = [f"messages[{i}].{k}" for i, m in enumerate(messages) for k in m if k not in ("role", "content")] + [
@@ -163,7 +165,7 @@ class Tokenizer:
             header = self._trusted(t["header"].format(role=m["role"]))
             body = self.encode(m["content"]) + [self.eos_id]
             after = self._trusted(t["after"])
-            trains = int(m["role"] == "assistant" and i in trained)
+            trains = int(i in trained)
             ids += header + body + after
             mask += [0] * len(header) + [trains] * len(body) + [0] * len(after)
         if add_generation_prompt:
@@ -180,20 +182,23 @@ class Tokenizer:
         ((ids, mask) of chosen, (ids, mask) of rejected); only the responses are trained, the prompt is context."""
         def turns(x, role):
             return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
-        prompt = turns(prompt, "user")
-        return tuple(self.render(prompt + turns(response, "assistant"), trained_from=len(prompt), **options)
-                     for response in (chosen, rejected))
+        prompt, sides = turns(prompt, "user"), []
+        for name, response in (("chosen", chosen), ("rejected", rejected)):
+            sides.append(self.render(prompt + turns(response, "assistant"), trained_from=len(prompt), **options))
+            if not any(sides[-1][1]):
+                raise ValueError(f"the {name} reply has no trained token (its assistant turns have weight 0, or the "
+                                 f"template writes none of them), so the pair compares nothing")
+        return tuple(sides)
 
     def render_turns(self, messages, tools=None, **kwargs):
         """reasoning_turns='each' -> [(ids, mask)]: an assistant turn the whole conversation renders otherwise (Qwen3
         drops earlier reasoning) is its prefix, only it trained; the whole conversation trains the others (if any)."""
         if self.template != "model":
             return [self.render(messages, tools=tools, **kwargs)]
-        kwargs, ct = {**self.chat_template_kwargs, **kwargs}, self.chat_template
+        kwargs, ct, (messages, trained) = {**self.chat_template_kwargs, **kwargs}, self.chat_template, weighed(messages)
         text = ct.render(messages, False, tools, kwargs)
-        own = [i for i, m in enumerate(messages) if m["role"] == "assistant" and
-               not text.startswith(ct.render(messages[:i + 1], False, tools, kwargs))]
-        rest = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i not in own]
+        own = [i for i in trained if not text.startswith(ct.render(messages[:i + 1], False, tools, kwargs))]
+        rest = [i for i in trained if i not in own]
         whole = [self._render_model(messages, False, rest, tools, kwargs)]  # checks the fields first
         return [self._render_model(messages[:i + 1], False, [i], tools, kwargs, check=False) for i in own] + whole * (
             len(rest) > 0)
@@ -228,14 +233,8 @@ class Tokenizer:
                     escaped.pop()  # the template parses it: it stays a special token, as in transformers
             messages, blocks = map_values(messages, wrap), []
             text = ct.render(messages, *args, blocks)
-        spans = ct.reply_spans(text, messages, trained, args, mark)
+        ranges = ct.reply_spans(text, messages, trained, args, mark, self._special_re, self._stop_texts)
         pieces = self._pieces(text, left, right)
-        ranges = []  # char ranges: a reply, through the special token right after it (the end of turn)
-        for s, e in spans:
-            e = next((a for a, b, sp in pieces if sp is not None and a < e < b), e)  # <|eom_id|> vs mark<|eot_id|>
-            eot = next((p for p in pieces if p[2] is not None and p[0] >= e), None)
-            ends_turn = eot is not None and not text[e:eot[0]].strip()
-            ranges.append((s, eot[1] if ends_turn else e))
         if ct.marks_replies:  # the template's own {% generation %} blocks: those of the trained replies
             ranges = [(a, b) for a, b in blocks if any(a < e and s < b for s, e in ranges)]
         ids, mask = [], []
@@ -382,6 +381,25 @@ class Tokenizer:
             template = template or ("model" if chat_template else "llama3")
             return cls.from_tiktoken_file(model_path, template, chat_template)
         raise FileNotFoundError(f"{path}: no tokenizer.json or tokenizer.model in this folder")
+
+
+def weighed(messages, trained_from=0):
+    """OpenAI's fine-tuning "weight" on assistant messages (0: shown, not trained; 1: trained) -> (the messages
+    without it, the indices of the assistant messages trained: from trained_from on, weight 0 left out)."""
+    for i, m in enumerate(messages):
+        weight = m.get("weight", 0)
+        problem = (None if "weight" not in m else
+                   f"is on a {m['role']!r} message: only assistant messages take a weight, the others are never "
+                   f"trained — drop it" if m["role"] != "assistant" else
+                   f"is {weight!r}: OpenAI's weight is 0 (the reply is shown, not trained) or 1 (trained) — fix the "
+                   f"value" if type(weight) is not int or weight not in (0, 1) else
+                   "is 1, and the message is in the prompt here (DPO trains the chosen and rejected replies only) — "
+                   "set it to 0 or drop it" if weight and i < trained_from else None)
+        if problem:
+            raise ValueError(f"messages[{i}].weight {problem}")
+    trained = [i for i, m in enumerate(messages)
+               if m["role"] == "assistant" and m.get("weight", 1) and i >= trained_from]
+    return [{k: v for k, v in m.items() if k != "weight"} for m in messages], trained
 
 
 def get_tokenizer(spec, template=None, **chat):

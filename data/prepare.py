@@ -390,6 +390,19 @@ def load(data_dir, split):
             for key, name in (("ids", "ids"), ("offsets", "offsets"), ("loss_mask", "mask"))}, meta
 
 
+def template_kwargs(text):
+    """--chat_template_kwargs: a JSON object, else a Python dict literal (the scripts' form)."""
+    import ast
+    for parse in (json.loads, ast.literal_eval):
+        try:
+            if isinstance(value := parse(text), dict):
+                return value
+        except (ValueError, SyntaxError):
+            pass
+    raise argparse.ArgumentTypeError(f"{text!r} is neither a JSON object ('{{\"enable_thinking\": false}}') nor a "
+                                     f"Python dict (\"{{'enable_thinking': False}}\")")
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="a .jsonl, .json or .parquet file (.gz too), a folder of shards, "
@@ -406,8 +419,8 @@ if __name__ == "__main__":
     p.add_argument("--val_input", default=None, help="val records (as --input) instead of --val_fraction")
     p.add_argument("--val_split", default=None, help="the split to read from a --val_input folder holding several")
     p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--chat_template_kwargs", type=json.loads, default={}, help="template variables for every record, "
-                   "as JSON: '{\"enable_thinking\": false}'")
+    p.add_argument("--chat_template_kwargs", type=template_kwargs, default={}, help="template variables for every "
+                   "record, as JSON '{\"enable_thinking\": false}' or a Python dict \"{'enable_thinking': False}\"")
     p.add_argument("--reasoning_turns", choices=REASONING_TURNS, default="conversation", help="each: a turn the "
                    "conversation renders without its reasoning is also an example of its own (SFT)")
     p.add_argument("--escape_special_text", action="store_true", help="special-token text in messages that the "

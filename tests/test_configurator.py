@@ -38,6 +38,17 @@ def test_mistakes_are_one_clear_message(argv, message):
         configure(defaults(), argv)
 
 
+def test_a_dict_key_takes_a_python_dict_or_json():
+    """--chat_template_kwargs as the scripts' docs write it (a Python dict) or as data/prepare.py's (JSON): the same
+    dict; text that is neither is one line."""
+    for text in ("{'enable_thinking': False}", '{"enable_thinking": false}'):
+        assert configure(dict(chat_template_kwargs={}), [f"--chat_template_kwargs={text}"]) == dict(
+            chat_template_kwargs=dict(enable_thinking=False))
+    with pytest.raises(SystemExit, match=re.escape("chat_template_kwargs='{enable_thinking: no}' is neither a Python "
+                                                   "dict ({'enable_thinking': False}) nor JSON")):
+        configure(dict(chat_template_kwargs={}), ["--chat_template_kwargs={enable_thinking: no}"])
+
+
 def test_unknown_key_in_a_config_file_names_the_file(tmp_path):
     preset = tmp_path / "bad.py"
     preset.write_text("learning_rat = 0.1\n")

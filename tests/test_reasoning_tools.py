@@ -1,16 +1,20 @@
 """Reasoning traces and tool calls through the models' real chat templates (tests/templates/: Qwen3, Qwen2.5,
-Llama-3.1, and TRL's {% generation %} variants of the Qwen ones), on tiny folders built here: the ids equal
-transformers' apply_chat_template(tools=..., **kwargs); the trained tokens are each assistant turn as the template
-writes it after the generation header, reasoning and tool-call blocks and end of turn included (where the template
-has {% generation %}: transformers' assistant mask); what a template does not write is a one-line error."""
+Llama-3.1, Mistral v0.3, Gemma-2, DeepSeek-R1, and TRL's {% generation %} variants of the Qwen ones), on tiny folders
+built here: the ids equal transformers' apply_chat_template(tools=..., **kwargs); the trained tokens are each assistant
+turn as the template writes it after its prompt, reasoning and tool-call blocks and the stop token included (where
+the template has {% generation %}: transformers' assistant mask); OpenAI's weight 0 leaves a turn untrained; what a
+template does not write is a one-line error."""
 import copy
 import json
 import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
+from conftest import ROOT
 from test_tokenizer import PRE_TOKENIZERS, chat_folder, real_template, runs, train_hf
 
 from data.prepare import DataError, load, prepare
@@ -27,6 +31,16 @@ FOLDERS = {  # name -> (template file, pre-tokenizer, tokenizer_config.json spec
                  ["<|eom_id|>", "<|python_tag|>"]),
     "chatml": ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}", "qwen2",
                QWEN, []),  # a template without tools
+    "mistral": ("mistral_v0_3", "qwen2", dict(bos_token="<s>", eos_token="</s>"),
+                ["<s>", "</s>", "[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]",
+                 "[TOOL_RESULTS]", "[/TOOL_RESULTS]"]),
+    "gemma2": ("gemma2", "qwen2", dict(bos_token="<bos>", eos_token="<eos>"),
+               ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]),
+    "deepseek-r1": ("deepseek_r1", "qwen2", dict(bos_token="<｜begin▁of▁sentence｜>", eos_token="<｜end▁of▁sentence｜>"),
+                    ["<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>", "<think>",
+                     "</think>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>", "<｜tool▁call▁begin｜>",
+                     "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>", "<｜tool▁outputs▁end｜>",
+                     "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>"]),
 }
 
 
@@ -42,8 +56,8 @@ def T(content, role="tool"):
     return dict(role=role, content=content, **(dict(tool_call_id="call_1") if role == "tool" else {}))
 
 
-def call(name, arguments):
-    return {"type": "function", "function": {"name": name, "arguments": arguments}}
+def call(name, arguments, **fields):
+    return {"type": "function", "function": {"name": name, "arguments": arguments}, **fields}
 
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
@@ -98,6 +112,41 @@ CASES = {
         None, dict(builtin_tools=["brave_search"]),
         ['<|python_tag|>brave_search.call(query="nanopack")<|eom_id|>', "A repo.<|eot_id|>"]),
 }
+MISTRAL_CALL = '[TOOL_CALLS] [{{"name": "get_weather", "arguments": {{"city": "{}"}}, "id": "{}"}}]</s>'
+DEEPSEEK_CALL = ("<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n"
+                 '{"city": "Paris"}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜><｜end▁of▁sentence｜>')
+CASES.update({
+    "enable_thinking=False, reasoning written": (  # trained as with thinking on: <think> included
+        ["qwen3", "qwen3_training"], [U("2+2?"), A("4", reasoning_content="Add.")], None, dict(enable_thinking=False),
+        ["<think>\nAdd.\n</think>\n\n4<|im_end|>"]),
+    "OpenAI's weight: 0 shown, 1 trained": (
+        ["qwen3"], [U("2+2?"), A("5", weight=0), U("Sure?"), A("4", weight=1)], None, {},
+        ["<think>\n\n</think>\n\n4<|im_end|>"]),
+    "mistral tool calls, with tools": (  # its template checks that user and assistant alternate, past tool calls
+        ["mistral"], [U("Weather in Paris?"), A(tool_calls=[call("get_weather", {"city": "Paris"}, id="call00001")]),
+                      dict(role="tool", tool_call_id="call00001", content='{"temp": 20}'), A("It is 20.")],
+        [WEATHER], {}, [MISTRAL_CALL.format("Paris", "call00001"), " It is 20.</s>"]),
+    "mistral tools before the last user turn": (  # so the conversation before a reply is no prefix of the text
+        ["mistral"], [U("Weather in Paris?"),
+                      A("", tool_calls=[call("get_weather", {"city": "Paris"}, id="call00001")]),
+                      dict(role="tool", tool_call_id="call00001", content="20"), A("It is 20."), U("And Rome?"),
+                      A(tool_calls=[call("get_weather", {"city": "Rome"}, id="call00002")]),
+                      dict(role="tool", tool_call_id="call00002", content="25"), A("25.")],
+        [WEATHER], {}, [MISTRAL_CALL.format("Paris", "call00001"), " It is 20.</s>",
+                        MISTRAL_CALL.format("Rome", "call00002"), " 25.</s>"]),
+    "gemma2 turns": (["gemma2"], [U("2+2?"), A(" 4 "), U("3+3?"), A("6")], None, {},
+                     ["4<end_of_turn>", "6<end_of_turn>"]),
+    "deepseek-r1 reasoning in content": (  # its template drops the reasoning of every turn, as transformers renders it
+        ["deepseek-r1"], [dict(role="system", content="Be brief."), U("2+2?"), A("<think>\nAdd.\n</think>\n\n4")],
+        None, {}, ["\n\n4<｜end▁of▁sentence｜>"]),
+    "deepseek-r1 tool call": (
+        ["deepseek-r1"], [U("Weather in Paris?"), A("", tool_calls=[call("get_weather", '{"city": "Paris"}')]),
+                          T('{"temp": 20}'), A("It is 20.")], None, {},
+        [DEEPSEEK_CALL, "It is 20.<｜end▁of▁sentence｜>"]),
+})
+# the generation prompt is not where the training text goes on: Qwen3's prefilled empty reasoning vs reasoning written,
+# DeepSeek-R1's <think> vs replies rendered without reasoning
+PROMPT_DIFFERS = {"enable_thinking=False, reasoning written", "deepseek-r1 reasoning in content"}
 PARAMS = [(case, folder) for case, (folders, *_) in CASES.items() for folder in folders]
 
 
@@ -141,7 +190,58 @@ def test_ids_and_trained_tokens(folders, case, folder):
     prompt = ours.render_prompt(messages[:last], tools=tools, **kwargs)
     assert prompt == theirs.apply_chat_template(messages[:last], tools=tools, add_generation_prompt=True,
                                                 return_dict=False, **kwargs)
-    assert ids[:len(prompt)] == prompt
+    assert (ids[:len(prompt)] == prompt) != (case in PROMPT_DIFFERS)
+
+
+def test_thinking_off_trains_written_reasoning_as_thinking_on(folders):
+    """Qwen3's enable_thinking=False changes only the generation prompt: a turn with reasoning renders as with thinking
+    on, and trains the same tokens, <think> included (the start used to fall back to after <think>\n)."""
+    _, ours, _ = folders["qwen3"]
+    for messages in ([U("2+2?"), A("4", reasoning_content="Add.")], [U("2+2?"), A("<think>\nAdd.\n</think>\n\n4")],
+                     REASONING):
+        ids, mask = ours.render(messages)
+        assert ours.render(messages, enable_thinking=False) == (ids, mask)
+        assert ours.decode(runs(ids, mask)[-1]).startswith("<think>\n")
+
+
+def test_openai_weight(folders):
+    """OpenAI's fine-tuning "weight" on an assistant message: 0 renders it as context, 1 trains it; the ids are
+    transformers' (the template never sees the field); the same with a built-in format; in a DPO pair a prompt message
+    may only have weight 0, and a reply left with nothing trained is refused."""
+    conv = [U("2+2?"), A("5"), U("Sure?"), A("4")]
+    weighed = [conv[0], dict(conv[1], weight=0), conv[2], dict(conv[3], weight=1)]
+    for name in ("qwen3", "qwen3_training", "qwen2.5", "llama3.1", "mistral", "gemma2", "deepseek-r1", "byte"):
+        ours, theirs = (Tokenizer.byte_level(), None) if name == "byte" else folders[name][1:]
+        ids, mask = ours.render(weighed)
+        want = ours.render(conv)
+        assert ids == want[0] and runs(ids, mask) == runs(*want)[1:], name
+        assert theirs is None or ids == theirs.apply_chat_template(conv, return_dict=False)
+        assert ours.render_pair(weighed[:3], "4", "5") == ours.render_pair(conv[:3], "4", "5")
+    with pytest.raises(ValueError, match=r"messages\[1\]\.weight is 1, and the message is in the prompt here"):
+        ours.render_pair([U("2+2?"), A("4", weight=1), U("Sure?")], "4", "5")
+    with pytest.raises(ValueError, match="the chosen reply has no trained token"):
+        ours.render_pair([U("2+2?")], [A("4", weight=0)], "5")
+
+
+# how each writes a reply and ends it (a trained run: this, after whitespace the tokenizer merged into it)
+WRITTEN = {"mistral": lambda c: " " + c.strip() + "</s>", "gemma2": lambda c: c.strip() + "<end_of_turn>",
+           "deepseek-r1": lambda c: c + "<｜end▁of▁sentence｜>"}
+
+
+@pytest.mark.parametrize("name", list(WRITTEN))
+def test_random_conversations_as_transformers(folders, name):
+    """Mistral v0.3, Gemma-2 and DeepSeek-R1 on test_tokenizer's random conversations (spaces, newlines, unicode,
+    control bytes; no system message: Gemma refuses one, Mistral writes it only before a final user turn): the ids are
+    transformers', each reply as the template writes it is trained, nothing else."""
+    from test_tokenizer import random_conversations
+    _, ours, theirs = folders[name]
+    for conv in random_conversations(20, seed=1):
+        conv = [m for m in conv if m["role"] != "system"]
+        ids, mask = ours.render(conv)
+        assert ids == theirs.apply_chat_template(conv, return_dict=False)
+        got = [ours.decode(run) for run in runs(ids, mask)]
+        want = [WRITTEN[name](m["content"]) for m in conv if m["role"] == "assistant"]
+        assert len(got) == len(want) and all(g.endswith(w) and not g[:-len(w)].strip() for g, w in zip(got, want))
 
 
 def test_single_added_token_ids(folders):
@@ -200,8 +300,19 @@ BAD = {  # case -> (folder, record, regex after 'chats.jsonl:2: ')
     "content beside a Llama tool call": ("llama3.1", dict(messages=[U("hi"), A("Let me see.", tool_calls=[
         call("get_weather", {"city": "Paris"})]), T("20"), A("20.")], tools=[WEATHER]),
                                          r"messages\[1\]\.content, in a 'assistant' message, is not in"),
-    "an unknown field": ("qwen3", dict(messages=[dict(U("hi"), weight=0.5), A("x")]),
-                         r"messages\[0\]\.weight, in a 'user' message, is not in what the template writes"),
+    "an unknown field": ("qwen3", dict(messages=[dict(U("hi"), source="web"), A("x")]),
+                         r"messages\[0\]\.source, in a 'user' message, is not in what the template writes"),
+    "a false the template never reads": ("qwen3", dict(messages=[dict(U("hi"), train=False), A("x")]),
+                                         r"messages\[0\]\.train, in a 'user' message, is False, and the template "
+                                         r"never reads it .*, so it would be dropped"),
+    "a 0 the template never reads": ("llama3.1", dict(messages=[U("hi"), A("x", score=0)]),
+                                     r"messages\[1\]\.score, in a 'assistant' message, is 0, and the template never"),
+    "a weight other than 0 or 1": ("qwen3", dict(messages=[U("hi"), A("x", weight=0.5)]),
+                                   r"messages\[1\]\.weight is 0\.5: OpenAI's weight is 0 \(the reply is shown, not "
+                                   r"trained\) or 1 \(trained\) — fix the value"),
+    "a weight on a user message": ("qwen3", dict(messages=[dict(U("hi"), weight=0), A("x")]),
+                                   r"messages\[0\]\.weight is on a 'user' message: only assistant messages take a "
+                                   r"weight"),
     "a variable the template never reads": (
         "qwen2.5", dict(messages=[U("hi"), A("x")], chat_template_kwargs=dict(enable_thinking=False)),
         r".*\"chat_template\": the template reads no variable 'enable_thinking' \(it reads add_generation_prompt, "
@@ -211,6 +322,16 @@ BAD = {  # case -> (folder, record, regex after 'chats.jsonl:2: ')
     "an unknown role": ("qwen3", dict(messages=[U("hi"), dict(role="function", content="x"), A("y")]),
                         r"messages\[1\]\.role is 'function', an unknown role — use one of system, user, assistant, "
                         r"tool, ipython"),
+    "a system prompt Mistral drops": (  # v0.3 writes it only into a conversation's last message, if a user's
+        "mistral", dict(messages=[dict(role="system", content="Be brief."), U("hi"), A("ok")]),
+        r"messages\[0\]\.content, in a 'system' message, is not in what the template writes"),
+    "content beside a Mistral tool call": (
+        "mistral", dict(messages=[U("hi"), A("Let me see.", tool_calls=[call("f", {"x": "1"}, id="call00001")])]),
+        r"messages\[1\]\.content, in a 'assistant' message, is not in what the template writes"),
+    "reasoning_content for DeepSeek-R1": ("deepseek-r1", dict(messages=[U("hi"), A("x", reasoning_content="hm")]),
+                                          r"messages\[1\]\.reasoning_content, in a 'assistant' message, is not in"),
+    "a system role for Gemma": ("gemma2", dict(messages=[dict(role="system", content="Be brief."), U("hi"), A("ok")]),
+                                r".*: the template cannot render this conversation: System role not supported"),
     "two calls for Llama": ("llama3.1", dict(messages=[U("hi"), A(tool_calls=[call("f", {}), call("g", {})])]),
                             r".*: the template cannot render this conversation: This model only supports single tool"),
 }
@@ -268,6 +389,18 @@ def test_chat_template_kwargs_for_every_record(folders, tmp_path):
     assert meta["template"] == off.template_id and meta["chat_template_kwargs"] == dict(enable_thinking=False)
     with pytest.raises(ValueError, match="the template reads no variable 'enable_thinkin'"):
         get_tokenizer(folder, chat_template_kwargs=dict(enable_thinkin=False))
+    # the command line takes JSON or, as the scripts do, a Python dict; neither is one line
+    for text in ('{"enable_thinking": false}', "{'enable_thinking': False}", "{enable_thinking: no}"):
+        out = subprocess.run([sys.executable, "data/prepare.py", "--input", str(path), "--out_dir",
+                              str(tmp_path / "cli"), "--tokenizer", folder, "--chat_template_kwargs", text], cwd=ROOT,
+                             capture_output=True, text=True, timeout=120)
+        if text == "{enable_thinking: no}":
+            assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].endswith(
+                "'{enable_thinking: no}' is neither a JSON object ('{\"enable_thinking\": false}') nor a Python dict "
+                "(\"{'enable_thinking': False}\")")
+        else:
+            assert out.returncode == 0, out.stderr
+            assert json.loads((tmp_path / "cli" / "meta.json").read_text())["template"] == off.template_id
 
 
 def test_escaping_special_text_keeps_the_templates_parse(folders):

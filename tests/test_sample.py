@@ -150,3 +150,31 @@ def test_sync_ranks_steps_with_the_other_ranks(monkeypatch):
     n_real = max(map(len, done_here))
     assert all(n == 1 and cache is None for n, cache in calls[n_real:])  # the dummy forwards
     assert all(cache is not None for _, cache in calls[:n_real])
+
+
+def test_system_prompt_for_a_template_without_a_system_role(tmp_path, monkeypatch):
+    """sample.py --system with Gemma's template (it raises "System role not supported"): one line that says the
+    template has no system role, not a traceback. The script runs as __main__, in this process (its imports loaded)."""
+    import json
+    import os
+    import runpy
+
+    import transformers
+
+    from conftest import ROOT, as_args
+    from test_tokenizer import PRE_TOKENIZERS, chat_folder, real_template, train_hf
+    pre, norm = PRE_TOKENIZERS["qwen2"]
+    trained = {"qwen2": train_hf(tmp_path, "qwen2", pre(), norm(), merges=100)}
+    folder = chat_folder(trained, tmp_path / "gemma", real_template("gemma2"), "qwen2", dict(
+        bos_token="<bos>", eos_token="<eos>"), ["<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"])
+    vocab = json.loads((folder / "tokenizer.json").read_text())
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=max(t["id"] for t in vocab["added_tokens"]) + 1, hidden_size=16, intermediate_size=32,
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1)).save_pretrained(folder)
+    script = os.path.join(ROOT, "sample.py")
+    monkeypatch.setattr("sys.argv", [script, *as_args(model=folder, system="Be brief.", prompt="hi")])
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(script, run_name="__main__")
+    assert e.value.code == (f'sample.py: the chat template has no system role ({folder}/tokenizer_config.json '
+                            f'"chat_template": the template cannot render this conversation: System role not '
+                            f'supported); drop --system, or put it in the prompt')

@@ -561,6 +561,19 @@ def test_model_template_errors(trained, tmp_path):
     theirs = AutoTokenizer.from_pretrained(str(tmp_path / "generation")).apply_chat_template(
         conv, return_assistant_tokens_mask=True)
     assert ids == plain[0] == theirs["input_ids"] and mask == theirs["assistant_masks"] != plain[1]
+    # a template that refuses nanopack's probe (tool names replaced by marks) but not the data: it says so
+    known = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{% for c in m.tool_calls or [] %}{% if c.function.name "
+             "!= 'add' %}{{ raise_exception('unknown tool') }}{% endif %}{{ c.function | tojson }}{% endfor %}"
+             "{{ m.content }}<|im_end|>\n{% endfor %}")
+    tok = Tokenizer.from_dir(folder("known", known))
+    call = [dict(role="user", content="1+1?"), dict(role="assistant", tool_calls=[
+        dict(type="function", function=dict(name="add", arguments=dict(a=1, b=1)))])]
+    with pytest.raises(ValueError, match=r"the template refuses nanopack's probe of the conversation \(the text of "
+                                         r"messages replaced by marks.* itself: .*unknown tool — please report it"):
+        tok.render(call)
+    call[1]["tool_calls"][0]["function"]["name"] = "sub"
+    with pytest.raises(ValueError, match=r'"chat_template": the template cannot render this conversation: unknown'):
+        tok.render(call)
     # a template that refuses a conversation: data/prepare.py names the line
     refuses = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
     tok = Tokenizer.from_dir(folder("refuses", refuses + chatml))
