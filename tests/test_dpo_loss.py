@@ -1,5 +1,6 @@
-"""losses.py without running train_dpo.py: each loss type against numbers worked out by hand, reward accuracy per
-pair, response lengths, and packed == padded for the per-sequence log-probs, the loss and the gradients."""
+"""losses.py without running train_dpo.py: each loss type against numbers worked out by hand and against TRL's own
+code, reward accuracy per pair, response lengths, and packed == padded for the per-sequence log-probs, the loss and
+the gradients."""
 
 import math
 
