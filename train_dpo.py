@@ -21,10 +21,10 @@ import common
 import data.arithmetic as builtin_task
 from checkpoint import export_hf, save_checkpoint
 from configurator import configure
-from losses import LOSS_TYPES, STATS, dpo_loss, pair_stats
+from losses import LOSS_TYPES, STATS, dpo_loss, pair_stats, preference_loss
 from metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import shared_prefixes, target_counts
-from parallel import fail, print0, sync_gradients, teardown_distributed
+from parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
 from reference import Reference, cache_key, split_logps
 
 # -----------------------------------------------------------------------------
@@ -51,9 +51,10 @@ min_lr = 2e-5
 warmup_iters = 5
 weight_decay = 0.0
 grad_clip = 1.0
-loss_type = "sigmoid"  # 'sigmoid' (DPO), 'ipo', 'hinge', 'dpo_norm' (length-averaged DPO), 'simpo' (no reference)
+loss_type = "sigmoid"  # 'sigmoid' (DPO), 'ipo', 'hinge', 'dpo_norm' (length-averaged DPO), 'simpo' (no reference),
+# 'apo_zero' (each reward against 0), 'robust' (rDPO: label noise label_smoothing), 'bco_pair' (BCO's classifier)
 beta = 2.0  # the inverse temperature of the implicit reward: larger = the loss saturates at smaller margins
-label_smoothing = 0.0  # sigmoid, dpo_norm, simpo: assumed chance that a pair's label is flipped (conservative DPO)
+label_smoothing = 0.0  # sigmoid, dpo_norm, simpo, robust: assumed chance that a pair's label is flipped
 gamma = 0.5  # simpo: target reward margin
 sft_weight = 1.0  # adds sft_weight * NLL per target token of the step's chosen responses (train_sft.py's loss)
 reference = "auto"  # 'cached': log-probs computed once, kept on disk; 'live': a frozen copy; 'adapters_off': the
@@ -86,8 +87,9 @@ wandb_run_name = "dpo"
 config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0), rules=dict(
     common.RULES, loss_type=LOSS_TYPES, reference=("auto", "cached", "live", "adapters_off"), beta="(0, inf)",
     label_smoothing="[0, 0.5)", sft_weight="[0, inf)"))
-if label_smoothing and loss_type in ("ipo", "hinge"):
-    fail(f"config error: label_smoothing={label_smoothing}; it must be 0 for ipo and hinge")
+if label_smoothing and loss_type in ("ipo", "hinge", "apo_zero", "bco_pair"):
+    fail(f"config error: label_smoothing={label_smoothing}; it must be 0 for loss_type='{loss_type}' (it has no "
+         f"label noise term)")
 if reference == "adapters_off" and not lora_rank:
     fail("config error: reference='adapters_off'; 'adapters_off' is the base model under the adapters: it needs "
          "lora_rank > 0")
@@ -115,6 +117,10 @@ ref_cache_seconds = time.perf_counter() - t_ref
 targets_train, targets_val = (torch.tensor(target_counts(d).reshape(-1, 2), dtype=torch.float32, device=device)
                               for d in (run.train_data, run.val_data))  # (P, 2): what dpo_norm, ipo, simpo divide by
 chosen_targets = target_counts(run.train_data).reshape(-1, 2)[:, 0]  # step normaliser for sft_weight, on the host
+# bco_pair's reward shift: the mean of every reward (chosen and rejected, all ranks) of the steps before this one,
+# constant within a step, so that micro-batches and ranks take one big batch's step; saved with the checkpoint
+reward_sum, reward_count = run.saved.get("bco_rewards", (0.0, 0))
+shift = lambda: reward_sum / reward_count if reward_count else 0.0
 
 
 def microbatch_loss(mb, num_pairs, num_chosen_targets):
@@ -128,10 +134,8 @@ def microbatch_loss(mb, num_pairs, num_chosen_targets):
     rc, rr = ref(mb)
     lens = targets_train[mb.units]
     losses, rewards_c, rewards_r = dpo_loss(pc, pr, rc, rr, lens[:, 0], lens[:, 1], loss_type, beta, label_smoothing,
-                                            gamma)
-    loss = losses.sum() / num_pairs
-    if sft_weight:
-        loss = loss - sft_weight * pc.sum() / num_chosen_targets
+                                            gamma, shift())
+    loss = preference_loss(losses, pc, num_pairs, num_chosen_targets, sft_weight)
     return loss * world_size, pair_stats(losses, rewards_c, rewards_r, pc, pr)
 
 
@@ -143,8 +147,8 @@ def evaluate():
         policy = split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix, cp=run.cp)
         losses, rewards_c, rewards_r = dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
                                                 targets_val[:, 0], targets_val[:, 1], loss_type, beta,
-                                                label_smoothing, gamma)
-        val_loss = losses.mean() - sft_weight * policy[:, 0].sum() / targets_val[:, 0].sum()
+                                                label_smoothing, gamma, shift())
+        val_loss = preference_loss(losses, policy[:, 0], len(losses), targets_val[:, 0].sum(), sft_weight)
         out.update(val_loss=val_loss.item(), val_reward_accuracy=(rewards_c > rewards_r).float().mean().item(),
                    val_reward_margin=(rewards_c - rewards_r).mean().item())
     if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the preferred style
@@ -175,6 +179,8 @@ def log_window(elapsed, n_steps, grad_norm):
     metrics["loss"] = avg["loss"] + sft_weight * nll if pairs_window else float("nan")
     if sft_weight:
         metrics["nll_chosen"] = nll
+    if loss_type == "bco_pair":
+        metrics["reward_shift"] = shift()
     print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | reward acc "
            f"{100 * avg['reward_accuracy']:.1f}% | margin {metrics['reward_margin']:.3f} | lr {lr:.2e} | "
            f"grad norm {metrics['grad_norm']:.2f} | {meter.line(metrics)} | eta {format_eta(eta)}")
@@ -215,6 +221,10 @@ while iter_num < max_iters:
             stats_acc[k] += step_stats[k] * (run.cp.rank == 0)
         pairs_window += step.num_groups
         chosen_targets_window += num_chosen_targets
+        if loss_type == "bco_pair":  # one value on every rank: the step's rewards summed over ranks (a CP group's once)
+            reward_sum += all_reduce_sum([(step_stats["rewards_chosen"] + step_stats["rewards_rejected"]).item()
+                                          * (run.cp.rank == 0)], device)[0]
+            reward_count += 2 * step.num_groups
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
 
@@ -224,7 +234,7 @@ while iter_num < max_iters:
         eval_seconds, train_seconds = 0.0, train_seconds + elapsed
         log_window(elapsed, iter_num - last_log_iter, grad_norm)
         last_log_iter, stats_acc, pairs_window, chosen_targets_window = iter_num, zeros(), 0, 0
-    saved = dict(ref_key=ref_key, before=before)
+    saved = dict(ref_key=ref_key, before=before, bco_rewards=(reward_sum, reward_count))
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         results = evaluate()

@@ -80,3 +80,20 @@ def test_bench_plan_vs_real_smoke():
     out = run("bench/plan_vs_real.py", "--preset=tiny")
     rows = [l.split("|") for l in out.splitlines() if l.startswith("| train_")]
     assert len(rows) == 2 and all(abs(float(r[4]) - 1) < 0.01 for r in rows), out
+
+
+def test_bench_dpo_losses_smoke(tmp_path):
+    """Two loss types from a tiny random model folder on a few built-in pairs, two steps each: a row per type."""
+    import torch
+    from conftest import builtin_data
+    from hf import save_pretrained
+    from model import Transformer, config_from_preset
+    from tokenizer import get_tokenizer
+    torch.manual_seed(0)
+    save_pretrained(Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)),
+                    str(tmp_path / "sft"))
+    pairs = builtin_data(tmp_path / "pairs", "dpo", n_train=32, n_val=8)
+    out = run("bench/bench_dpo_losses.py", f"--init_from={tmp_path / 'sft'}", "--types=robust,bco_pair",
+              f"--out={tmp_path / 'runs'}", "--", f"--data={pairs}", "--max_iters=2", "--batch_size=8")
+    rows = table_rows(out)
+    assert rows["robust"][0] == "--label_smoothing=0.1" and rows["bco_pair"][0] == "-", out

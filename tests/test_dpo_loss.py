@@ -1,5 +1,6 @@
-"""losses.py without running train_dpo.py: each loss type against numbers worked out by hand, reward accuracy per
-pair, response lengths, and packed == padded for the per-sequence log-probs, the loss and the gradients."""
+"""losses.py without running train_dpo.py: each loss type against numbers worked out by hand and against TRL's own
+code, reward accuracy per pair, response lengths, and packed == padded for the per-sequence log-probs, the loss and
+the gradients."""
 
 import math
 
@@ -9,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import kernels
-from losses import dpo_loss, pair_stats
+from losses import dpo_loss, pair_stats, preference_loss
 from model import Transformer, config_from_preset
 from packing import make_batch, shared_prefixes, target_counts
 
@@ -180,3 +181,164 @@ def test_a_reference_computed_on_each_microbatch_precomputes_only_the_val_split(
                                 dtype="float32")
     ref = reference.Reference.build(mode, run, key="k")
     assert computed == [val] and ref.model is model and ref.val.shape == (1, 2)
+
+
+# -----------------------------------------------------------------------------
+# against TRL's own code: DPOTrainer._compute_loss (trl 1.16) on the same per-token log-probs
+
+
+def trl_dpo_loss(chosen_tokens, rejected_tokens, ref_chosen, ref_rejected, loss_types, loss_weights, beta,
+                 label_smoothing, tmp_path):
+    """TRL's DPOTrainer._compute_loss on given per-token log-probs (lists of (n_i,) tensors, one per pair): a stand-in
+    model returns them as its fused LM head's `log_probs`, a stand-in trainer carries what DPOTrainer.__init__ takes
+    from its DPOConfig, reference log-probs precomputed. -> (loss, TRL's logged metrics, d loss / d each token's
+    log-prob, chosen sequences' tokens then rejected ones')."""
+    import types
+    from collections import defaultdict
+
+    from trl import DPOConfig, DPOTrainer
+    rows = chosen_tokens + rejected_tokens  # TRL's batch: all chosen, then all rejected
+    L = max(len(t) for t in rows) + 1  # position 0 is the prompt's: never a completion token
+    completion_mask = torch.zeros(len(rows), L, dtype=torch.long)
+    for i, t in enumerate(rows):
+        completion_mask[i, 1:1 + len(t)] = 1
+    leaf = torch.cat(rows).detach().clone().requires_grad_(True)
+    # per-token log-probs as the fused head returns them: 0 off the completion (its labels are -100)
+    log_probs = torch.zeros(len(rows), L - 1, dtype=leaf.dtype).masked_scatter(completion_mask[:, 1:].bool(), leaf)
+    zeros = torch.zeros(len(rows), L - 1, dtype=leaf.dtype)
+    model = lambda **kw: types.SimpleNamespace(log_probs=log_probs, entropy=zeros, mean_logits=zeros,
+                                               is_top1=zeros.bool())
+    args = DPOConfig(output_dir=str(tmp_path), loss_type=loss_types, loss_weights=loss_weights, beta=beta,
+                     label_smoothing=label_smoothing, bf16=False, report_to=[])
+    trainer = types.SimpleNamespace(
+        args=args, beta=args.beta, loss_types=args.loss_type, loss_weights=args.loss_weights or [1.0] * len(loss_types),
+        ld_alpha=args.ld_alpha, f_divergence_type=args.f_divergence_type, label_smoothing=args.label_smoothing,
+        use_weighting=args.use_weighting, precompute_ref_logps=True, aux_loss_enabled=False,
+        model=types.SimpleNamespace(training=True), _metrics={"train": defaultdict(list)}, _total_train_tokens=0,
+        _tp_size=1, accelerator=types.SimpleNamespace(device="cpu", gather=lambda x: x, gather_for_metrics=lambda x: x))
+    inputs = dict(input_ids=torch.zeros(len(rows), L, dtype=torch.long), completion_mask=completion_mask,
+                  attention_mask=torch.ones_like(completion_mask), ref_chosen_logps=ref_chosen,
+                  ref_rejected_logps=ref_rejected)
+    loss = DPOTrainer._compute_loss(trainer, model, inputs, return_outputs=False)
+    loss.backward()
+    return loss.detach(), {k: v[0] for k, v in trainer._metrics["train"].items()}, leaf.grad
+
+
+# ours -> TRL 1.16's loss_type; label_smoothing; whether TRL logs the same rewards (it logs beta * the log-ratio
+# sums for every loss; ours are per response token for ipo and dpo_norm, whose losses are)
+TRL_EQUALS = [
+    ("sigmoid", "sigmoid", 0.0, True),
+    ("hinge", "hinge", 0.0, True),
+    ("ipo", "ipo", 0.0, False),
+    ("dpo_norm", "sigmoid_norm", 0.0, False),
+    ("apo_zero", "apo_zero", 0.0, True),
+    ("robust", "robust", 0.0, True),
+    ("robust", "robust", 0.2, True),
+    ("bco_pair", "bco_pair", 0.0, True),
+]
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # DPOConfig's own deprecations, not ours
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("sft_weight", [0.0, 0.3])
+@pytest.mark.parametrize("ours, theirs, label_smoothing, same_rewards", TRL_EQUALS)
+def test_each_loss_equals_trls(tmp_path, ours, theirs, label_smoothing, same_rewards, sft_weight, dtype):
+    """Loss, gradient w.r.t. every token's log-prob and the logged rewards; sft_weight composes as TRL's
+    loss_type=[x, 'sft'], loss_weights=[1, sft_weight] (rpo_alpha before TRL 1.0)."""
+    gen = torch.Generator().manual_seed(0)
+    P, beta = 6, 0.5
+    lengths = torch.randint(1, 9, (2, P), generator=gen)
+    # per-token log-probs of a middling model; the reference's sums near the policy's, on either side
+    tokens = [[-3 * torch.rand(int(n), generator=gen, dtype=dtype) for n in side] for side in lengths]
+    policy = [torch.stack([t.sum() for t in side]) for side in tokens]
+    ref = [p.detach() + 2 * torch.randn(P, generator=gen, dtype=dtype) for p in policy]
+    loss_trl, metrics, grad_trl = trl_dpo_loss(*tokens, *ref, [theirs] + ["sft"] * (sft_weight > 0),
+                                               [1.0] + [sft_weight] * (sft_weight > 0), beta, label_smoothing, tmp_path)
+
+    leaves = [[t.clone().requires_grad_(True) for t in side] for side in tokens]
+    pc, pr = (torch.stack([t.sum() for t in side]) for side in leaves)
+    losses, rewards_c, rewards_r = dpo_loss(pc, pr, *ref, *lengths.to(dtype), ours, beta, label_smoothing)
+    loss = preference_loss(losses, pc, P, int(lengths[0].sum()), sft_weight)
+    loss.backward()
+    grad = torch.cat([t.grad for side in leaves for t in side])
+    # float64: the same formulas on the same numbers, summed in another order, agree to ~1e-15; float32 (how a run
+    # computes): ~1e-7 relative per operation on log-prob sums of ~-10 and losses of ~1, a few dozen operations deep
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(loss.detach(), loss_trl, **tol)
+    torch.testing.assert_close(grad, grad_trl, **tol)
+    assert grad.abs().max() > 1e-3  # the gradient is not vacuous
+    if same_rewards:
+        for name, ours_value in (("rewards/chosen", rewards_c.mean()), ("rewards/rejected", rewards_r.mean()),
+                                 ("rewards/margins", (rewards_c - rewards_r).mean()),
+                                 ("rewards/accuracies", (rewards_c > rewards_r).float().mean())):
+            assert ours_value.item() == pytest.approx(metrics[name], rel=tol["rtol"], abs=tol["atol"]), name
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # DPOConfig's own deprecations, not ours
+def test_bco_pair_shift_equals_trls_bco_pair_on_shifted_log_ratios(tmp_path):
+    """bco_pair's shift d (the running mean of the rewards, train_dpo.py) moves each side's boundary: ours at d equals
+    TRL's bco_pair with every log-ratio less d / beta. TRL 1.16 keeps no running mean (d = 0, the test above); TRL
+    0.8-0.x's `self.running` mean entered exactly here."""
+    gen = torch.Generator().manual_seed(1)
+    P, beta, d = 5, 0.5, 0.7
+    tokens = [[-3 * torch.rand(int(n), generator=gen, dtype=torch.float64) for n in torch.randint(1, 9, (P,))]
+              for _side in range(2)]
+    policy = [torch.stack([t.sum() for t in side]) for side in tokens]
+    ref = [p + 2 * torch.randn(P, generator=gen, dtype=torch.float64) for p in policy]
+    loss_trl, _, grad_trl = trl_dpo_loss(*tokens, *(r + d / beta for r in ref), ["bco_pair"], None, beta, 0.0, tmp_path)
+    pc, pr = (p.clone().requires_grad_(True) for p in policy)
+    ones = torch.ones(P, dtype=torch.float64)
+    losses, _, _ = dpo_loss(pc, pr, *ref, ones, ones, "bco_pair", beta, shift=d)
+    loss = losses.mean()
+    loss.backward()
+    grad = torch.cat([g.repeat_interleave(torch.tensor([len(t) for t in side]))  # d sum / d token = 1
+                      for g, side in zip((pc.grad, pr.grad), tokens)])
+    # float64; TRL adds d / beta to the reference, then multiplies by beta: rounding of ~1e-16 relative
+    torch.testing.assert_close(loss.detach(), loss_trl, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(grad, grad_trl, rtol=1e-12, atol=1e-12)
+    unshifted, _, _ = dpo_loss(pc, pr, *ref, ones, ones, "bco_pair", beta)
+    assert (unshifted.mean() - loss).abs() > 1e-2  # the shift matters
+
+
+@pytest.mark.parametrize("loss_type, label_smoothing, expected", [
+    ("sigmoid", 0.0, math.log(2)),
+    ("apo_zero", 0.0, 1.0),  # (1 - sigmoid(0)) + sigmoid(0)
+    ("robust", 0.0, math.log(2)),
+    ("robust", 0.3, math.log(2)),  # (0.7 - 0.3) log 2 / (1 - 0.6)
+    ("bco_pair", 0.0, 2 * math.log(2)),  # shift 0: no step before the first
+    ("ipo", 0.0, 1.0),  # (0 - 1 / (2 beta))^2, beta 0.5
+    ("hinge", 0.0, 1.0),
+])
+def test_first_step_values(loss_type, label_smoothing, expected):
+    """At step 1 the policy is the reference: every pair's loss is the one at zero rewards, whatever the log-probs."""
+    policy = torch.tensor([[-12.0, -30.0], [-3.0, -7.5]], dtype=torch.float64)
+    lens = torch.tensor([4.0, 9.0], dtype=torch.float64)
+    losses, rewards_c, rewards_r = dpo_loss(policy[:, 0], policy[:, 1], policy[:, 0], policy[:, 1], lens, lens,
+                                            loss_type, 0.5, label_smoothing)
+    torch.testing.assert_close(losses, torch.full((2,), expected, dtype=torch.float64), rtol=1e-15, atol=1e-15)
+    assert rewards_c.abs().max() == rewards_r.abs().max() == 0
+
+
+@pytest.mark.parametrize("ours, label_smoothing", [("simpo", 0.0), ("simpo", 0.1), ("sigmoid", 0.1)])
+def test_simpo_and_conservative_dpo_equal_trls_cpo_loss(ours, label_smoothing):
+    """simpo is TRL's CPOTrainer(loss_type='simpo', cpo_alpha=0) on response-averaged log-probs. TRL 1.16's DPOTrainer
+    no longer smooths sigmoid's labels; its CPOTrainer keeps that formula (cDPO), reference-free: ours with a zero
+    reference equals it on sums."""
+    import types
+
+    from trl.experimental.cpo import CPOTrainer
+    gen = torch.Generator().manual_seed(2)
+    P, beta, gamma = 6, 0.5, 0.3
+    lens = torch.randint(1, 9, (2, P), generator=gen).double()
+    policy = -3 * lens * torch.rand(2, P, generator=gen, dtype=torch.float64)
+    trainer = types.SimpleNamespace(alpha=0.0, beta=beta, label_smoothing=label_smoothing, simpo_gamma=gamma,
+                                    loss_type="simpo" if ours == "simpo" else "sigmoid",
+                                    accelerator=types.SimpleNamespace(device="cpu"))
+    theirs = policy / lens if ours == "simpo" else policy  # CPOTrainer averages over the response for simpo
+    losses_trl, rewards_c_trl, rewards_r_trl = CPOTrainer.cpo_loss(trainer, theirs[0], theirs[1])
+    zero = torch.zeros(P, dtype=torch.float64)
+    losses, rewards_c, rewards_r = dpo_loss(policy[0], policy[1], zero, zero, lens[0], lens[1], ours, beta,
+                                            label_smoothing, gamma)
+    # float64: the same formula, TRL divides gamma by beta and multiplies back: ~1e-16 relative
+    for a, b in ((losses, losses_trl), (rewards_c, rewards_c_trl), (rewards_r, rewards_r_trl)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)

@@ -7,6 +7,7 @@ parameters after a few AdamW steps to 1e-4 absolute.
 """
 
 import json
+import math
 import os
 import shutil
 
@@ -124,21 +125,60 @@ def test_cache_is_reused_and_keyed_by_the_weights(tmp_path, pairs, baseline):
     assert steps(out_dir)[0]["ref_cache_seconds"] > 0
 
 
-def test_resume_continues_exactly(tmp_path, pairs, baseline):
+# the SFT term stays: it composes with every loss. A third of the baseline's rate: at 1e-2 bco_pair's rewards swing
+# by +-10 a step and its steps amplify rounding (1e-7) past the tolerance within 3 steps
+BCO = dict(loss_type="bco_pair", label_smoothing=0.0, learning_rate=3e-3, min_lr=3e-3)
+
+
+@pytest.fixture(scope="module")
+def bco_baseline(tmp_path_factory, pairs):
+    """The baseline's run with bco_pair, whose reward shift (the mean of the rewards of the steps so far) moves."""
+    out_dir = str(tmp_path_factory.mktemp("bco_baseline"))
+    run(common_args(out_dir, pairs, **BCO))
+    shifts = [m["reward_shift"] for m in steps(out_dir)]
+    assert shifts[0] == pytest.approx(0, abs=1e-5) and abs(shifts[-2]) > 0.1  # step 5 used step 4's: far from 0
+    return out_dir
+
+
+@pytest.mark.parametrize("kw, nproc", [
+    (dict(microbatch_tokens=512, parallel="ddp"), 2),  # ranks and, on each, several micro-batches
+    (dict(microbatch_tokens=1024, parallel="fsdp"), 2),
+    (dict(microbatch_tokens=128, context_parallel=2), 2),  # a CP group's two ranks hold the same pairs
+], ids=["ddp", "fsdp", "cp"])
+def test_bco_pair_shift_is_one_value_on_every_rank(tmp_path, pairs, bco_baseline, kw, nproc):
+    """bco_pair's shift comes from the rewards of whole steps, summed over ranks: every rank uses the one value, and
+    the steps equal one process's with one micro-batch per step."""
+    out_dir = str(tmp_path / "bco")
+    run(common_args(out_dir, pairs, **BCO, **kw), nproc=nproc)
+    assert_same_run(bco_baseline, out_dir)
+    for x, y in zip(steps(bco_baseline), steps(out_dir)):  # the same tolerance as the rewards it averages
+        assert x["reward_shift"] == pytest.approx(y["reward_shift"], rel=1e-5, abs=1e-5)
+
+
+@pytest.mark.parametrize("loss", ["sigmoid", "bco_pair"])
+def test_resume_continues_exactly(tmp_path, pairs, request, loss):
+    """bco_pair: its running mean of the rewards is saved with the checkpoint and read back, or the resumed steps
+    would shift the rewards by another value."""
+    kw, straight = (BCO, request.getfixturevalue("bco_baseline")) if loss == "bco_pair" else (
+        {}, request.getfixturevalue("baseline"))
     cut = str(tmp_path / "cut")
-    run(common_args(cut, pairs, max_iters=2))
-    out = run(common_args(cut, pairs, init_from="resume"))
+    run(common_args(cut, pairs, max_iters=2, **kw))
+    out = run(common_args(cut, pairs, init_from="resume", **kw))
     assert "reference log-probs: loaded" in out.stdout  # the cache is read back, not recomputed
-    assert_same_run(baseline, cut, exact=True)  # same ops in the same order: bit for bit
+    assert_same_run(straight, cut, exact=True)  # same ops in the same order: bit for bit
 
 
-@pytest.mark.parametrize("loss_type, first_loss", [
-    ("ipo", (0.0 - 1 / (2 * 1.0)) ** 2),  # the policy is the reference at step 1: h = 0
-    ("simpo", None),  # reference-free: no cache at all
+@pytest.mark.parametrize("loss_type, label_smoothing, first_loss", [
+    ("ipo", 0.0, (0.0 - 1 / (2 * 1.0)) ** 2),  # the policy is the reference at step 1: h = 0
+    ("simpo", 0.0, None),  # reference-free: no cache at all
+    ("apo_zero", 0.0, 1.0),  # (1 - sigmoid(0)) + sigmoid(0)
+    ("robust", 0.1, math.log(2)),  # (0.9 - 0.1) log 2 / (1 - 0.2)
+    ("bco_pair", 0.0, 2 * math.log(2)),  # no steps before the first: shift 0
 ])
-def test_other_loss_types_run(tmp_path, pairs, loss_type, first_loss):
+def test_other_loss_types_run(tmp_path, pairs, loss_type, label_smoothing, first_loss):
     out_dir = str(tmp_path / loss_type)
-    out = run(common_args(out_dir, pairs, loss_type=loss_type, max_iters=2, label_smoothing=0.0, sft_weight=0.0))
+    out = run(common_args(out_dir, pairs, loss_type=loss_type, max_iters=2, label_smoothing=label_smoothing,
+                          sft_weight=0.0))
     s = steps(out_dir)
     if first_loss is not None:
         assert s[0]["loss"] == pytest.approx(first_loss, abs=1e-5)
@@ -186,7 +226,9 @@ def test_bad_preference_data_is_one_clear_message(tmp_path, message):
 
 @pytest.mark.parametrize("arg, message", [
     ("--init_from=/no/such/folder", "make the default one with `python train_sft.py`"),
-    ("--loss_type=kto", "loss_type='kto'; choose one of sigmoid, ipo, hinge, dpo_norm, simpo"),
+    ("--loss_type=kto", "loss_type='kto'; choose one of sigmoid, ipo, hinge, dpo_norm, simpo, apo_zero, robust, "
+                        "bco_pair"),
+    ("--loss_type=bco_pair --label_smoothing=0.1", "label_smoothing=0.1; it must be 0 for loss_type='bco_pair'"),
 ])
 def test_config_errors_are_one_clear_message(tmp_path, arg, message):
     out = run([f"--out_dir={tmp_path}", *arg.split()], check=False)
