@@ -105,9 +105,7 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
         state = dict(model=model_sd, optimizer=optim_sd)
     path = os.path.join(folder, ckpt["weights"])
     try:
-        if not os.path.isfile(os.path.join(path, ".metadata")):  # asked first: DCP would log two tracebacks
-            raise FileNotFoundError(f"no file {os.path.join(path, '.metadata')}")
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=dcp_reader(path), no_dist=not dist.is_initialized())
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, dcp.CheckpointException) as e:
         cause = next(x for x in under(e) if not getattr(x, "failures", None))  # not the CheckpointException
         reason = str(cause).splitlines()[0].split(". ")[0]  # torch's advice after its first sentence: ours
@@ -119,6 +117,20 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINED)
         set_rng_state(ckpt["rng"])
+
+
+def dcp_reader(path):
+    """A reader of the DCP folder path, its index (.metadata) read first: DCP itself would log two tracebacks for a
+    missing or damaged one, then fail."""
+    metadata = os.path.join(path, ".metadata")
+    if not os.path.isfile(metadata):
+        raise FileNotFoundError(f"no file {metadata}")
+    reader = dcp.FileSystemReader(path)
+    try:
+        reader.read_metadata()
+    except Exception as e:  # whatever unpickling garbage raises: not an index DCP wrote
+        raise ValueError(f"its .metadata is damaged: {type(e).__name__}") from None
+    return reader
 
 
 def load_checkpoint(path):

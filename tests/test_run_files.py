@@ -216,6 +216,8 @@ DAMAGE = {  # what a resume reads, damaged -> what the one line says
     "truncated ckpt.pt": (lambda d: cut(os.path.join(d, "ckpt.pt")), "ckpt.pt cannot be read ("),
     "truncated shard": (lambda d: cut(shard(d, "__0_0.distcp")), "the checkpoint's weights cannot be read ("),
     "missing .metadata": (lambda d: os.remove(shard(d, ".metadata")), "the checkpoint's weights cannot be read (no "),
+    "garbage .metadata": (lambda d: open(shard(d, ".metadata"), "w").write("garbage\n"),
+                          "the checkpoint's weights cannot be read (its .metadata is damaged: "),
     "damaged metrics line": (lambda d: spoil_first_line(os.path.join(d, "metrics.jsonl")),
                              "metrics.jsonl:1 is not a JSON line ("),
 }
