@@ -133,8 +133,14 @@ def check_run(c, kind):
              "'auto' or 'cpu'")
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world % c.get("context_parallel", 1):
-        fail(f"config error: context_parallel={c['context_parallel']}; it must divide the number of processes "
-             f"({world}): each group of that many ranks splits one micro-batch's tokens (1: no context parallelism)")
+        cp, budget = c["context_parallel"], c["microbatch_tokens"]
+        saved = c["init_from"] == "resume" and load_checkpoint(os.path.join(c["out_dir"], "ckpt.pt"))["config"]
+        fail(f"config error: context_parallel={cp}" + (" (the value of the run being resumed)" if saved and saved.get(
+             "context_parallel") == cp else "") + f"; it must divide the number of processes ({world}): each group of "
+             f"that many ranks splits one micro-batch's tokens (1: no context parallelism)" + (
+             f"; to resume it in {world} process{'es' * (world > 1)}, pass --context_parallel=1 and a "
+             f"--microbatch_tokens that holds its longest sequence (--microbatch_tokens={cp * budget} does: "
+             f"{cp} x {budget})" if saved else ""))
     try:
         lora.check_settings(c, world)
     except ValueError as e:

@@ -247,3 +247,21 @@ def test_a_last_metrics_line_cut_short_is_dropped_and_the_run_resumes(tmp_path, 
     assert f"metrics.jsonl:{n + 1}, the last line, was cut short" in out.stdout and "Traceback" not in out.stderr
     assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 3]
     assert all(json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl")))
+
+
+def test_resuming_a_context_parallel_run_in_one_process_says_what_to_pass(tmp_path, finished):
+    out_dir = str(tmp_path / "run")
+    shutil.copytree(finished, out_dir)
+    ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"))
+    ckpt["config"]["context_parallel"] = 2  # as `torchrun --nproc_per_node=2 ... --context_parallel=2` saves it
+    torch.save(ckpt, os.path.join(out_dir, "ckpt.pt"))
+    line = one_line_failure(run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=3"],
+                                       check=False))
+    assert line.startswith("config error: context_parallel=2 (the value of the run being resumed); it must divide the "
+                           "number of processes (1)"), line
+    assert line.endswith("to resume it in 1 process, pass --context_parallel=1 and a --microbatch_tokens that holds "
+                         "its longest sequence (--microbatch_tokens=4096 does: 2 x 2048)"), line
+    run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=3", "--context_parallel=1",
+                                "--microbatch_tokens=4096"])
+    assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 3]
+
