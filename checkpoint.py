@@ -193,38 +193,61 @@ def set_rng_state(state):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json keys generation tools read
+# an export being written; whole, waiting to move in; the one it replaces
+EXPORT_TMP, EXPORT_NEW, EXPORT_OLD = "export.tmp", "export.new", "export.old"
 
 
 def export_hf(run):
     """The trained weights as out_dir/hf with the starting folder's tokenizer files and token ids (every rank calls
-    this; rank 0 writes). Written as <folder>.tmp then moved whole: a failed export leaves the previous one."""
+    this; rank 0 writes). Written whole into out_dir/export.tmp, then moved in by finish_export: a failed or killed
+    export leaves the previous one or this one, never a part of one nor the adapter of one beside the hf of another."""
     hf_dir, adapter_dir = os.path.join(run.out_dir, "hf"), os.path.join(run.out_dir, "adapter")
     if not all_finite(run.model):
         raise SystemExit(f"the weights are not all finite: no Hugging Face folder written; {run.ckpt_path} holds the "
                          f"last finite checkpoint")
-    folders = [hf_dir, adapter_dir] if run.adapters else [hf_dir]
-    written = [folder + ".tmp" for folder in folders] if run.master else []
+    staging = os.path.join(run.out_dir, EXPORT_TMP)
+    if run.master:
+        finish_export(run.out_dir)  # one a kill cut short: moved in (or removed, half written) before it is replaced
     try:
-        for tmp in written:  # one a killed export left
-            shutil.rmtree(tmp, ignore_errors=True)
         if run.adapters:  # LoRA: the merged weights (W + scale B A) in out_dir/hf, the adapters alone as a PEFT folder
-            save_pretrained(run.raw_model, hf_dir + ".tmp", state=lora.merged_state_dict(run.raw_model))
-            lora.save_adapter(run.raw_model, adapter_dir + ".tmp", run.start["init_from"],
+            save_pretrained(run.raw_model, os.path.join(staging, "hf"), state=lora.merged_state_dict(run.raw_model))
+            lora.save_adapter(run.raw_model, os.path.join(staging, "adapter"), run.start["init_from"],
                               **{k: v for k, v in run.adapters.items() if k != "quantize"})
         else:
-            save_pretrained(run.raw_model, hf_dir + ".tmp")  # FSDP2: gathered one tensor at a time, to rank 0's CPU
+            save_pretrained(run.raw_model, os.path.join(staging, "hf"))  # FSDP2: gathered to rank 0's CPU
         if run.master:
-            add_tokenizer(run, hf_dir + ".tmp")
+            add_tokenizer(run, os.path.join(staging, "hf"))
+            os.replace(staging, os.path.join(run.out_dir, EXPORT_NEW))  # whole: from here on it is the export
     except OSError as e:
-        for tmp in written:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if run.master:
+            shutil.rmtree(staging, ignore_errors=True)
         stop_writing(e, "the Hugging Face export (a previous one stays as it was)", run)
-    for folder, tmp in zip(folders, written):  # the previous export goes only once this one is whole
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+    if run.master:
+        finish_export(run.out_dir)
     adapter = f", PEFT adapter {adapter_dir}" if run.adapters else ""
     print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}{adapter}"
            + (" (byte-level tokenizer: sample.py uses it by default)" if run.tok.name == "byte" else ""))
+
+
+def finish_export(out_dir):
+    """Move the whole export in out_dir/export.new into place: every previous folder aside into export.old first, then
+    every new one in, then export.old removed (and export.tmp, half written). Run again after a kill at any moment,
+    it finishes the move -> the folders it moved in."""
+    new, old = os.path.join(out_dir, EXPORT_NEW), os.path.join(out_dir, EXPORT_OLD)
+    moved = []
+    if os.path.isdir(new):
+        names = sorted(os.listdir(new))
+        os.makedirs(old, exist_ok=True)
+        for name in names:  # all aside before any moves in: a kill between leaves a folder missing, never a mix
+            if os.path.exists(os.path.join(out_dir, name)) and not os.path.exists(os.path.join(old, name)):
+                os.replace(os.path.join(out_dir, name), os.path.join(old, name))
+        for name in names:
+            os.replace(os.path.join(new, name), os.path.join(out_dir, name))
+            moved.append(os.path.join(out_dir, name))
+        os.rmdir(new)
+    for leftover in (old, os.path.join(out_dir, EXPORT_TMP)):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return moved
 
 
 def add_tokenizer(run, hf_dir):

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import all_finite, load_checkpoint, restore_checkpoint
+from checkpoint import (EXPORT_NEW, EXPORT_OLD, EXPORT_TMP, all_finite, finish_export, load_checkpoint,
+                        restore_checkpoint)
 import context
 from data.dataset import check_fits, check_kind, load_data, prepare_data
 from data.prepare import OVERLONG
@@ -181,9 +182,11 @@ def setup(config, kind, builtin_sizes=None):
     ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
     ckpt = load_checkpoint(ckpt_path) if resume else None
     if c["overwrite"] and not resume and rank == 0:  # start over: nothing of the previous run may pass for ours
-        for old in [ckpt_path, os.path.join(c["out_dir"], "hf"), os.path.join(c["out_dir"], "adapter")] + [
-                os.path.join(c["out_dir"], f) for f in os.listdir(c["out_dir"]) if f.startswith("ckpt-")]:
+        for old in [ckpt_path] + [os.path.join(c["out_dir"], f) for f in os.listdir(c["out_dir"]) if f.startswith(
+                "ckpt-") or f in ("hf", "adapter", EXPORT_TMP, EXPORT_NEW, EXPORT_OLD)]:
             shutil.rmtree(old) if os.path.isdir(old) else os.path.exists(old) and os.remove(old)
+    elif rank == 0 and (moved := finish_export(c["out_dir"])):
+        print0(f"note: {', '.join(moved)}: moved into place, finishing an export that a kill cut short")
 
     if resume:  # a resumed run continues with the data, tokenizer and initial weights of the run it continues
         tok, start = choose_tokenizer(ckpt["tokenizer"], "resume", c.get("chat_template_kwargs")), ckpt["start"]

@@ -265,3 +265,64 @@ def test_resuming_a_context_parallel_run_in_one_process_says_what_to_pass(tmp_pa
                                 "--microbatch_tokens=4096"])
     assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 3]
 
+
+# ---- 8. the export moved into place: a kill at any moment leaves a whole export, never a mix
+
+class Killed(BaseException):
+    """A kill -9 between two file operations."""
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_kill_while_an_export_moves_in_leaves_one_whole_export(tmp_path, monkeypatch, lora_rank):
+    import lora
+    from tokenizer import get_tokenizer
+    torch.manual_seed(0)
+    model = Transformer(config_from_preset("tiny", vocab_size=261))
+    adapters = dict(rank=lora_rank, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"], quantize="") if lora_rank \
+        else None
+    if adapters:
+        lora.add_adapters(model, lora_rank, 8, 0.0, adapters["targets"])
+    tok = get_tokenizer("byte")
+    run = SimpleNamespace(model=model, raw_model=model, adapters=adapters, master=True, out_dir=str(tmp_path),
+                          ckpt_path=str(tmp_path / "ckpt.pt"), tok=tok, start=dict(init_from="scratch"))
+    names = ["hf", "adapter"] if lora_rank else ["hf"]
+
+    def export(scale):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+        checkpoint.export_hf(run)
+        return {d: files(os.path.join(tmp_path, d)) for d in names}
+
+    old, new = export(1.0), export(2.0)
+    assert old != new
+    replace, rmtree = os.replace, shutil.rmtree
+    for cut in range(1, 20):
+        export(0.5)  # back to the old weights, exported whole
+        calls = [0]
+
+        def killed_at_cut(real):
+            def op(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == cut:
+                    raise Killed
+                return real(*args, **kwargs)
+            return op
+        monkeypatch.setattr(os, "replace", killed_at_cut(replace))
+        monkeypatch.setattr(shutil, "rmtree", killed_at_cut(rmtree))
+        try:
+            export(2.0)
+            finished = True
+        except Killed:
+            finished = False
+        monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(shutil, "rmtree", rmtree)
+        in_place = {d: files(os.path.join(tmp_path, d)) for d in names if os.path.isdir(os.path.join(tmp_path, d))}
+        assert all(v == old[d] for d, v in in_place.items()) or all(v == new[d] for d, v in in_place.items()), cut
+        checkpoint.finish_export(str(tmp_path))  # what the next run does at start-up, and every export first
+        now = {d: files(os.path.join(tmp_path, d)) for d in names}
+        assert now in (old, new), cut
+        assert sorted(os.listdir(tmp_path)) == sorted(names), cut
+        if finished:
+            break
+    assert finished and cut > 3  # every operation of the move was cut once
