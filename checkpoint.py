@@ -32,7 +32,8 @@ TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # LoRA: the
 
 def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None):
     """A fresh DCP folder, then rank 0 replaces ckpt.pt and only then removes older folders. extra: the script's own
-    state (run.saved on resume). -> whether it was written: non-finite weights or evaluation never are."""
+    state (run.saved on resume). -> whether it was written (then run.saved_iter): non-finite weights or evaluation
+    never are."""
     bad = [k for k, v in (evaluation or {}).items() if not math.isfinite(v)]
     if bad or not all_finite(run.model):
         print0(f"iter {iter_num}: {'the weights are' if not bad else ', '.join(bad) + ' is'} not finite: checkpoint "
@@ -55,7 +56,7 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
             torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
                             iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
                             data_dir=run.data_dir and portable(run.data_dir, run.out_dir), start=run.start,
-                            extra=extra), small)
+                            guard=run.guard.counts(), extra=extra), small)
             with open(tmp, "wb") as f:
                 f.write(small.getbuffer())
                 f.flush()
@@ -72,6 +73,7 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
                 shutil.rmtree(os.path.join(run.out_dir, old), ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
+    run.saved_iter = iter_num
     return True
 
 

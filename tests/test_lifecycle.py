@@ -159,6 +159,32 @@ def test_launch_py_ends_a_sigterm_as_a_preemption_and_the_run_resumes_as_if_neve
     assert a == b and len(a) == 30  # the same steps, bit for bit
 
 
+SIGTERM_IN_DATA = """import os, runpy, signal, sys
+import data.arithmetic as arithmetic
+examples = arithmetic.sft_examples
+def examples_then_sigterm(split, n, seed):  # SIGTERM with the 50th example: data preparation under way
+    for i, record in enumerate(examples(split, n, seed)):
+        if i == 50:
+            os.kill(os.getpid(), signal.SIGTERM)
+        yield record
+arithmetic.sft_examples = examples_then_sigterm
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_sigterm_during_data_preparation_is_one_line_and_leaves_no_temporary_files(tmp_path):
+    out_dir = str(tmp_path / "run")
+    out = subprocess.run([sys.executable, "-c", SIGTERM_IN_DATA, "train_sft.py", f"--out_dir={out_dir}",
+                          "--preset=tiny"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == ["stopped by SIGTERM during start-up (before the first step): nothing "
+                                               "to save; the same command starts it again"], out.stderr[-3000:]
+    left = [os.path.join(d, f) for d, _, files in os.walk(out_dir) for f in files]
+    assert left == [os.path.join(out_dir, "run.lock")] and open(left[0]).read() == ""  # no data/*.tmp, no holder
+
+
 SITE = """import os
 class Sentinel:  # freed when the interpreter finalizes: says which threads are alive then
     def __del__(self, listdir=os.listdir, read=os.read, open=os.open, write=os.write, sorted=sorted):

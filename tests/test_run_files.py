@@ -127,7 +127,7 @@ class Full:  # writes half of what it is given, then fails as a full disk does
     def __exit__(self, *exc): self.f.close()
 def full_open(file, mode="r", *args, **kwargs):
     f = real_open(file, mode, *args, **kwargs)
-    if "w" in mode and str(file).endswith(name):
+    if ("w" in mode or "a" in mode) and str(file).endswith(name):
         opened[0] += 1
         return Full(f) if opened[0] == at else f
     return f
@@ -264,6 +264,44 @@ def test_resuming_a_context_parallel_run_in_one_process_says_what_to_pass(tmp_pa
     run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=3", "--context_parallel=1",
                                 "--microbatch_tokens=4096"])
     assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 3]
+
+
+# ---- 7. a full disk while metrics.jsonl is written
+
+def test_a_full_disk_at_start_up_is_one_line_and_leaves_no_empty_file(tmp_path):
+    """The write test of out_dir and the log's rewrite on resume: the disk takes the file, then refuses its bytes."""
+    import metrics
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    write_test = f"import os; os.symlink('/dev/full', '{out_dir}/.write_test_' + str(os.getpid()))"  # ENOSPC on write
+    out = subprocess.run([sys.executable, "-c", write_test + "; import runpy, sys; sys.argv = sys.argv[1:]; "
+                          "runpy.run_path(sys.argv[0], run_name='__main__')", "train_sft.py", f"--out_dir={out_dir}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    line = one_line_failure(out)
+    assert "cannot write there (No space left on device)" in line, line
+    assert os.listdir(out_dir) == []
+    (out_dir / "metrics.jsonl").write_text(json.dumps(dict(iter=1, loss=1.0)) + "\n")
+    os.symlink("/dev/full", out_dir / "metrics.jsonl.tmp")
+    with pytest.raises(SystemExit, match="^No space left on device: .*metrics.jsonl cannot be written; free space"):
+        metrics.MetricsLogger(str(out_dir), resume_iter=1)
+    assert sorted(os.listdir(out_dir)) == ["metrics.jsonl"]  # the log as it was
+    assert json.loads((out_dir / "metrics.jsonl").read_text()) == dict(iter=1, loss=1.0)
+
+
+def test_a_full_disk_while_logging_stops_the_run_after_the_next_step_with_a_checkpoint(tmp_path, sft_data):
+    out_dir = str(tmp_path / "run")
+    out = run_on_full_disk("train_sft.py", as_args(out_dir=out_dir, data=sft_data, max_iters=8, eval_interval=0,
+                                                   **SFT), "metrics.jsonl", at=3)  # iter 3's row
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"No space left on device: {out_dir}/metrics.jsonl could not be written at iter 3: stopping after the " \
+           f"next step with a checkpoint" in out.stdout
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"stopped after iter 4 by a failure: No space left on device: {out_dir}/metrics.jsonl "
+                           f"could not be written from iter 3 on (those rows are missing); checkpoint"), last
+    assert torch.load(os.path.join(out_dir, "ckpt.pt"))["iter_num"] == 4  # nothing trained is lost
+    out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume"])
+    assert "the last line, was cut short" in out.stdout  # half of iter 3's row: dropped
+    assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 5, 6, 7, 8]
 
 
 # ---- 8. the export moved into place: a kill at any moment leaves a whole export, never a mix
