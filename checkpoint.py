@@ -32,7 +32,8 @@ TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # LoRA: the
 
 def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None):
     """A fresh DCP folder, then rank 0 replaces ckpt.pt and only then removes older folders. extra: the script's own
-    state (run.saved on resume). -> whether it was written: non-finite weights or evaluation never are."""
+    state (run.saved on resume). -> whether it was written (then run.saved_iter): non-finite weights or evaluation
+    never are."""
     bad = [k for k, v in (evaluation or {}).items() if not math.isfinite(v)]
     if bad or not all_finite(run.model):
         print0(f"iter {iter_num}: {'the weights are' if not bad else ', '.join(bad) + ' is'} not finite: checkpoint "
@@ -55,7 +56,7 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
             torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
                             iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
                             data_dir=run.data_dir and portable(run.data_dir, run.out_dir), start=run.start,
-                            extra=extra), small)
+                            guard=run.guard.counts(), extra=extra), small)
             with open(tmp, "wb") as f:
                 f.write(small.getbuffer())
                 f.flush()
@@ -72,6 +73,7 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
                 shutil.rmtree(os.path.join(run.out_dir, old), ignore_errors=True)
     if dist.is_initialized():
         dist.barrier()
+    run.saved_iter = iter_num
     return True
 
 
@@ -105,9 +107,7 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
         state = dict(model=model_sd, optimizer=optim_sd)
     path = os.path.join(folder, ckpt["weights"])
     try:
-        if not os.path.isfile(os.path.join(path, ".metadata")):  # asked first: DCP would log two tracebacks
-            raise FileNotFoundError(f"no file {os.path.join(path, '.metadata')}")
-        dcp.load(state, checkpoint_id=path, no_dist=not dist.is_initialized())
+        dcp.load(state, storage_reader=dcp_reader(path), no_dist=not dist.is_initialized())
     except (OSError, RuntimeError, ValueError, EOFError, pickle.UnpicklingError, dcp.CheckpointException) as e:
         cause = next(x for x in under(e) if not getattr(x, "failures", None))  # not the CheckpointException
         reason = str(cause).splitlines()[0].split(". ")[0]  # torch's advice after its first sentence: ours
@@ -119,6 +119,20 @@ def restore_checkpoint(ckpt, folder, model, optimizer=None):
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state["optimizer"], options=TRAINED)
         set_rng_state(ckpt["rng"])
+
+
+def dcp_reader(path):
+    """A reader of the DCP folder path, its index (.metadata) read first: DCP itself would log two tracebacks for a
+    missing or damaged one, then fail."""
+    metadata = os.path.join(path, ".metadata")
+    if not os.path.isfile(metadata):
+        raise FileNotFoundError(f"no file {metadata}")
+    reader = dcp.FileSystemReader(path)
+    try:
+        reader.read_metadata()
+    except Exception as e:  # whatever unpickling garbage raises: not an index DCP wrote
+        raise ValueError(f"its .metadata is damaged: {type(e).__name__}") from None
+    return reader
 
 
 def load_checkpoint(path):
@@ -181,38 +195,61 @@ def set_rng_state(state):
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json",
                    "chat_template.jinja", "generation_config.json")
 TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json keys generation tools read
+# an export being written; whole, waiting to move in; the one it replaces
+EXPORT_TMP, EXPORT_NEW, EXPORT_OLD = "export.tmp", "export.new", "export.old"
 
 
 def export_hf(run):
     """The trained weights as out_dir/hf with the starting folder's tokenizer files and token ids (every rank calls
-    this; rank 0 writes). Written as <folder>.tmp then moved whole: a failed export leaves the previous one."""
+    this; rank 0 writes). Written whole into out_dir/export.tmp, then moved in by finish_export: a failed or killed
+    export leaves the previous one or this one, never a part of one nor the adapter of one beside the hf of another."""
     hf_dir, adapter_dir = os.path.join(run.out_dir, "hf"), os.path.join(run.out_dir, "adapter")
     if not all_finite(run.model):
         raise SystemExit(f"the weights are not all finite: no Hugging Face folder written; {run.ckpt_path} holds the "
                          f"last finite checkpoint")
-    folders = [hf_dir, adapter_dir] if run.adapters else [hf_dir]
-    written = [folder + ".tmp" for folder in folders] if run.master else []
+    staging = os.path.join(run.out_dir, EXPORT_TMP)
+    if run.master:
+        finish_export(run.out_dir)  # one a kill cut short: moved in (or removed, half written) before it is replaced
     try:
-        for tmp in written:  # one a killed export left
-            shutil.rmtree(tmp, ignore_errors=True)
         if run.adapters:  # LoRA: the merged weights (W + scale B A) in out_dir/hf, the adapters alone as a PEFT folder
-            save_pretrained(run.raw_model, hf_dir + ".tmp", state=lora.merged_state_dict(run.raw_model))
-            lora.save_adapter(run.raw_model, adapter_dir + ".tmp", run.start["init_from"],
+            save_pretrained(run.raw_model, os.path.join(staging, "hf"), state=lora.merged_state_dict(run.raw_model))
+            lora.save_adapter(run.raw_model, os.path.join(staging, "adapter"), run.start["init_from"],
                               **{k: v for k, v in run.adapters.items() if k != "quantize"})
         else:
-            save_pretrained(run.raw_model, hf_dir + ".tmp")  # FSDP2: gathered one tensor at a time, to rank 0's CPU
+            save_pretrained(run.raw_model, os.path.join(staging, "hf"))  # FSDP2: gathered to rank 0's CPU
         if run.master:
-            add_tokenizer(run, hf_dir + ".tmp")
+            add_tokenizer(run, os.path.join(staging, "hf"))
+            os.replace(staging, os.path.join(run.out_dir, EXPORT_NEW))  # whole: from here on it is the export
     except OSError as e:
-        for tmp in written:
-            shutil.rmtree(tmp, ignore_errors=True)
+        if run.master:
+            shutil.rmtree(staging, ignore_errors=True)
         stop_writing(e, "the Hugging Face export (a previous one stays as it was)", run)
-    for folder, tmp in zip(folders, written):  # the previous export goes only once this one is whole
-        shutil.rmtree(folder, ignore_errors=True)
-        os.replace(tmp, folder)
+    if run.master:
+        finish_export(run.out_dir)
     adapter = f", PEFT adapter {adapter_dir}" if run.adapters else ""
     print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}{adapter}"
            + (" (byte-level tokenizer: sample.py uses it by default)" if run.tok.name == "byte" else ""))
+
+
+def finish_export(out_dir):
+    """Move the whole export in out_dir/export.new into place: every previous folder aside into export.old first, then
+    every new one in, then export.old removed (and export.tmp, half written). Run again after a kill at any moment,
+    it finishes the move -> the folders it moved in."""
+    new, old = os.path.join(out_dir, EXPORT_NEW), os.path.join(out_dir, EXPORT_OLD)
+    moved = []
+    if os.path.isdir(new):
+        names = sorted(os.listdir(new))
+        os.makedirs(old, exist_ok=True)
+        for name in names:  # all aside before any moves in: a kill between leaves a folder missing, never a mix
+            if os.path.exists(os.path.join(out_dir, name)) and not os.path.exists(os.path.join(old, name)):
+                os.replace(os.path.join(out_dir, name), os.path.join(old, name))
+        for name in names:
+            os.replace(os.path.join(new, name), os.path.join(out_dir, name))
+            moved.append(os.path.join(out_dir, name))
+        os.rmdir(new)
+    for leftover in (old, os.path.join(out_dir, EXPORT_TMP)):
+        shutil.rmtree(leftover, ignore_errors=True)
+    return moved
 
 
 def add_tokenizer(run, hf_dir):

@@ -1,17 +1,20 @@
 """
 One way to build a training run, so that each train_*.py holds only its own loop: setup() returns a Run; RULES for the
-keys setup reads; StepGuard skips non-finite updates; StopSignal turns Ctrl-C / SIGTERM into a checkpoint.
+keys setup reads; StepGuard skips non-finite updates and has the ranks agree on a stop (parallel.StopSignal), which
+the scripts turn into a checkpoint.
 """
 import math
 import os
 import shutil
 import signal
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from checkpoint import all_finite, load_checkpoint, restore_checkpoint
+from checkpoint import (EXPORT_NEW, EXPORT_OLD, EXPORT_TMP, all_finite, finish_export, load_checkpoint,
+                        restore_checkpoint)
 import context
 from data.dataset import check_fits, check_kind, load_data, prepare_data
 from data.prepare import BAD_RECORDS, OVERLONG
@@ -20,7 +23,8 @@ from hf import fingerprint, from_pretrained, load_hf_weights, read_hf_config
 import hub
 from model import PRESETS, ModelConfig, Transformer, attention_backend, config_from_preset
 from packing import PackedLoader
-from parallel import fail, lock_out_dir, precision, print0, setup_distributed, teardown_distributed, wrap_model
+from parallel import (fail, lock_out_dir, precision, print0, setup_distributed, stop_signal, teardown_distributed,
+                      wrap_model)
 from tokenizer import Tokenizer, get_tokenizer
 
 RULES = dict(  # configurator.check_rule: the choices or the interval of each key setup() reads
@@ -57,6 +61,7 @@ class Run:
     ckpt_path: str
     saved: dict                # the script's own extras from the checkpoint being resumed ({} otherwise)
     guard: "StepGuard"
+    saved_iter: int = None     # the iteration ckpt.pt holds (None: none yet); save_checkpoint moves it
     adapters: dict = None      # LoRA settings (rank, alpha, dropout, targets, quantize); None: full fine-tuning
     cp: context.ContextParallel = None  # this rank's CP group (size 1: none) and data-parallel rank / size
 
@@ -65,30 +70,48 @@ class Run:
         return self.rank == 0
 
     def exit_stopped(self, iter_num):
-        """Exit 128 + the signal (143 SIGTERM, 130 Ctrl-C) as a killed process would: a scheduler reads "stopped"."""
-        print0(f"stopped by {self.guard.stop.name or 'a signal on another rank'} after iter {iter_num}: checkpoint "
-               f"{self.ckpt_path}; continue with --init_from=resume --out_dir={self.out_dir}")
-        teardown_distributed(128 + signal.Signals[self.guard.stop.name or "SIGTERM"])
+        """Exit 128 + the signal (143 SIGTERM, 130 Ctrl-C) as a killed process would, which a scheduler reads as
+        "stopped", once this iteration is saved; a stop that was not saved, or for a failure (a full disk): exit 1."""
+        stop, resume = self.guard.stop, f"--init_from=resume --out_dir={self.out_dir}"
+        why = stop.name or f"a {'failure' if self.guard.failed else 'signal'} on another rank"
+        if self.saved_iter != iter_num:
+            held = f"holds iter {self.saved_iter}" if self.saved_iter is not None else "was never written"
+            print0(f"stopped after iter {iter_num} ({why}) without saving it: {self.ckpt_path} {held}; the iterations "
+                   f"since are lost")
+            teardown_distributed(1)
+        if self.guard.failed:
+            print0(f"stopped after iter {iter_num} by a failure: {why}; checkpoint {self.ckpt_path}; once that is "
+                   f"fixed, continue with {resume}")
+            teardown_distributed(1)
+        took = f", {time.monotonic() - stop.at:.0f} s after the signal" if stop.at else ""  # the grace a stop needs
+        print0(f"stopped by {why} after iter {iter_num}{took}: checkpoint {self.ckpt_path}; continue with {resume}")
+        teardown_distributed(128 + (stop.signal or signal.SIGTERM))
 
 
 class StepGuard:
     """One all-reduce per step: a non-finite loss or gradient norm on any rank skips the update (max_bad_steps in a row
-    stop the run), and the ranks agree on a stop signal. A step that trained nothing neither counts nor breaks a run."""
+    stop the run), and the ranks agree on a stop. A step that trained nothing neither counts nor breaks a run. The
+    counts are the run's: saved with each checkpoint (counts()), a resumed run goes on from them."""
 
-    def __init__(self, max_bad_steps, ckpt_path, model):
-        self.max_bad_steps, self.ckpt_path, self.model = max_bad_steps, ckpt_path, model
-        self.stop = StopSignal()
-        self.skipped_steps = self.bad_in_a_row = 0  # skipped_steps: this process's lifetime
+    def __init__(self, max_bad_steps, ckpt_path, model, counts=None, stop=stop_signal):
+        self.max_bad_steps, self.ckpt_path, self.model, self.stop = max_bad_steps, ckpt_path, model, stop
+        counts = counts or {}  # a checkpoint of an older nanopack has none
+        self.skipped_steps, self.bad_in_a_row = counts.get("skipped_steps", 0), counts.get("bad_in_a_row", 0)
+        self.failed = False  # the stop the ranks agreed on is a failure on one of them (stop.request), not a signal
+
+    def counts(self):
+        return dict(skipped_steps=self.skipped_steps, bad_in_a_row=self.bad_in_a_row)
 
     def check(self, loss, grad_norm, iter_num):
         """-> (whether to update, whether to stop after this step)."""
         trained = any(p.grad is not None for p in self.model.parameters() if p.requires_grad)
         bad = ~torch.isfinite(loss.float()) | ~torch.isfinite(grad_norm.to(loss.device))  # no gradients: on the CPU
-        flags = torch.cat([bad.view(1), torch.tensor([self.stop.name is not None, trained], device=loss.device)])
-        flags = flags.float()
+        stop = 0 if self.stop.name is None else 1 if self.stop.signal else 2  # 2: a failure, which wins
+        flags = torch.cat([bad.view(1), torch.tensor([stop, trained], device=loss.device)]).float()
         if dist.is_initialized():
             dist.all_reduce(flags, op=dist.ReduceOp.MAX)
         bad, stop, trained = flags.tolist()
+        self.failed = stop == 2
         if trained:
             self.bad_in_a_row = self.bad_in_a_row + 1 if bad else 0
         self.skipped_steps += int(bad)
@@ -109,24 +132,6 @@ def clip_grad_norm(model, max_norm):
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm  # FSDP2: a DTensor
 
 
-class StopSignal:
-    """SIGINT or SIGTERM: stop after the current step with a checkpoint. A second SIGINT stops at once; a SIGTERM after
-    a SIGINT (torchrun passes Ctrl-C on) does not."""
-
-    def __init__(self):
-        self.name = None
-        for s in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(s, self.handle)
-
-    def handle(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.name == "SIGINT" and name == "SIGINT":
-            raise SystemExit("second SIGINT: stopped at once, without a checkpoint")
-        self.name = self.name or name
-        # os.write, not print: a print inside a signal handler can interrupt a print and raise "reentrant call"
-        os.write(2, f"rank {os.environ.get('RANK', 0)}: {name}: stopping after this step with a checkpoint\n".encode())
-
-
 def check_run(c, kind):
     """What RULES cannot say, before any data is tokenized or model loaded: one `config error:` line each."""
     if c["device"] == "cuda" and not torch.cuda.is_available():
@@ -134,8 +139,14 @@ def check_run(c, kind):
              "'auto' or 'cpu'")
     world = int(os.environ.get("WORLD_SIZE", 1))
     if world % c.get("context_parallel", 1):
-        fail(f"config error: context_parallel={c['context_parallel']}; it must divide the number of processes "
-             f"({world}): each group of that many ranks splits one micro-batch's tokens (1: no context parallelism)")
+        cp, budget = c["context_parallel"], c["microbatch_tokens"]
+        saved = c["init_from"] == "resume" and load_checkpoint(os.path.join(c["out_dir"], "ckpt.pt"))["config"]
+        fail(f"config error: context_parallel={cp}" + (" (the value of the run being resumed)" if saved and saved.get(
+             "context_parallel") == cp else "") + f"; it must divide the number of processes ({world}): each group of "
+             f"that many ranks splits one micro-batch's tokens (1: no context parallelism)" + (
+             f"; to resume it in {world} process{'es' * (world > 1)}, pass --context_parallel=1 and a "
+             f"--microbatch_tokens that holds its longest sequence (--microbatch_tokens={cp * budget} does: "
+             f"{cp} x {budget})" if saved else ""))
     try:
         lora.check_settings(c, world)
     except ValueError as e:
@@ -151,13 +162,17 @@ def check_run(c, kind):
             check_kind(c["data"], c["data_split"], c["val_data"], c["val_split"], kind)
         except SystemExit as e:
             fail(e.code)
+    test = os.path.join(c["out_dir"], f".write_test_{os.getpid()}")
     try:  # can we write where the run will live? Better now than after an hour of training
         os.makedirs(c["out_dir"], exist_ok=True)
-        with open(os.path.join(c["out_dir"], f".write_test_{os.getpid()}"), "w") as f:
+        with open(test, "w") as f:
             f.write("ok")
-        os.remove(f.name)
     except OSError as e:
-        fail(f"config error: out_dir={c['out_dir']!r}; cannot write there ({e.strerror}); choose a writable folder")
+        fail(f"config error: out_dir={c['out_dir']!r}; cannot write there ({e.strerror}); choose a writable folder, "
+             f"or free space there")
+    finally:  # created, then refused its bytes (a full disk): gone all the same
+        if os.path.lexists(test):
+            os.remove(test)
     if c["init_from"] != "resume" and not c["overwrite"] and os.path.exists(os.path.join(c["out_dir"], "ckpt.pt")):
         fail(f"config error: {c['out_dir']} already holds a run (ckpt.pt); continue it with --init_from=resume, or "
              f"start over there with --overwrite=True, or choose another out_dir")
@@ -166,6 +181,7 @@ def check_run(c, kind):
 def setup(config, kind, builtin_sizes=None):
     """kind: 'sft', 'dpo' or 'rl' (no token files and no loader: train_rl.py makes its batches itself)."""
     c = config
+    stop_signal.install()  # until the end of setup a signal stops at once, with one line, removing half-written files
     check_run(c, kind)
     lock_out_dir(c["out_dir"])  # a second run into a live run's out_dir stops before it changes anything
     rank, world_size, device = setup_distributed(c["device"], c["dist_timeout"])
@@ -177,9 +193,11 @@ def setup(config, kind, builtin_sizes=None):
     ckpt_path = os.path.join(c["out_dir"], "ckpt.pt")
     ckpt = load_checkpoint(ckpt_path) if resume else None
     if c["overwrite"] and not resume and rank == 0:  # start over: nothing of the previous run may pass for ours
-        for old in [ckpt_path, os.path.join(c["out_dir"], "hf"), os.path.join(c["out_dir"], "adapter")] + [
-                os.path.join(c["out_dir"], f) for f in os.listdir(c["out_dir"]) if f.startswith("ckpt-")]:
+        for old in [ckpt_path] + [os.path.join(c["out_dir"], f) for f in os.listdir(c["out_dir"]) if f.startswith(
+                "ckpt-") or f in ("hf", "adapter", EXPORT_TMP, EXPORT_NEW, EXPORT_OLD)]:
             shutil.rmtree(old) if os.path.isdir(old) else os.path.exists(old) and os.remove(old)
+    elif rank == 0 and (moved := finish_export(c["out_dir"])):
+        print0(f"note: {', '.join(moved)}: moved into place, finishing an export that a kill cut short")
 
     if resume:  # a resumed run continues with the data, tokenizer and initial weights of the run it continues
         tok, start = choose_tokenizer(ckpt["tokenizer"], "resume", c.get("chat_template_kwargs")), ckpt["start"]
@@ -220,12 +238,12 @@ def setup(config, kind, builtin_sizes=None):
         if c["batch_size"] > len(loader.lengths):
             print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))
-    start_iter, saved = 0, {}
+    start_iter, saved, saved_iter = 0, {}, None
     if resume:
         restore_checkpoint(ckpt, c["out_dir"], model, optimizer)
         if loader:
             loader.load_state_dict(ckpt["loader"])
-        start_iter, saved = ckpt["iter_num"], ckpt["extra"]
+        start_iter, saved, saved_iter = ckpt["iter_num"], ckpt["extra"], ckpt["iter_num"]
     if start_iter >= max_iters:
         print0(f"note: the run is already at iter {start_iter}, max_iters={max_iters}: nothing to train "
                f"(raise max_iters)")
@@ -236,11 +254,13 @@ def setup(config, kind, builtin_sizes=None):
     print0(f"model: {raw_model.num_params() / 1e6:.2f}M parameters{lora_note}{data_note} | world size {world_size} "
            f"({c['parallel']}{cp_note}) | device {device}, {dtype}, "
            f"attention {attention_backend(device, ptdtype)} | {max_iters} iterations")
+    stop_signal.starting = False  # from here on a signal stops the run after its step, with a checkpoint
     return Run(config=c, rank=rank, world_size=world_size, device=device, dtype=dtype, autocast=autocast, tok=tok,
                data_dir=data_dir, train_data=train_data, val_data=val_data, start=start, model=model,
                raw_model=raw_model, optimizer=optimizer, loader=loader, start_iter=start_iter, max_iters=max_iters,
-               out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved,
-               guard=StepGuard(c["max_bad_steps"], ckpt_path, model), adapters=adapters, cp=cp)
+               out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved, saved_iter=saved_iter,
+               guard=StepGuard(c["max_bad_steps"], ckpt_path, model, ckpt and ckpt.get("guard")), adapters=adapters,
+               cp=cp)
 
 
 def build_model(model_config, start, seed, device, parallel, world_size, param_dtype, compile=False,

@@ -282,7 +282,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                 (fully_shard_module, "_init_default_mesh", default_mesh),
                 (common.StepGuard, "check", lambda self, *a: (True, False)),
                 # a plan has no step to finish: Ctrl-C and SIGTERM stop it at once, not after a step and a checkpoint
-                (common.StopSignal, "__init__", lambda self: setattr(self, "name", None)), (Throughput, "count", count),
+                (common.stop_signal, "install", lambda: None), (Throughput, "count", count),
                 (context.ContextParallel, "split", on_host(context.ContextParallel.split)),
                 (torch.Tensor, "item", fake_item),  # a printed loss, an evaluation
                 (torch.Tensor, "tolist", fake_tolist), (FakeTensor, "tolist", fake_tolist),  # FakeTensor has its own

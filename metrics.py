@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
-from parallel import all_reduce_sum, is_master
+from parallel import all_reduce_sum, fail, is_master, stop_signal
 
 # dense bf16 tensor-core peak, FLOP/s, from the vendors' datasheets; an unknown device gets no MFU at all
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
@@ -24,7 +24,8 @@ def peak_flops(device):
 
 
 class MetricsLogger:
-    """One JSON object per line in out_dir/metrics.jsonl, and the same to wandb when asked (rank 0 only)."""
+    """One JSON object per line in out_dir/metrics.jsonl, and the same to wandb when asked (rank 0 only). A line the
+    disk refuses stops the run after its step with a checkpoint, as a SIGTERM does, and the file is written no more."""
 
     def __init__(self, out_dir, wandb_log=False, wandb_project="nanopack", run_name=None, config=None,
                  resume_iter=None):
@@ -52,9 +53,15 @@ class MetricsLogger:
                         kept.append(line.rstrip("\n") + "\n")  # a last line cut just before its newline
             if not kept and (config or {}).get("hub"):  # a run from hub names: their commits head its log
                 kept = [json.dumps(dict(iter=0, hub=config["hub"])) + "\n"]
-            with open(self.path + ".tmp", "w") as f:
-                f.writelines(kept)
-            os.replace(self.path + ".tmp", self.path)
+            try:
+                with open(self.path + ".tmp", "w") as f:
+                    f.writelines(kept)
+                os.replace(self.path + ".tmp", self.path)
+            except OSError as e:  # a full disk: the log as it was, and no empty .tmp beside it
+                if os.path.lexists(self.path + ".tmp"):
+                    os.remove(self.path + ".tmp")
+                fail(f"{e.strerror}: {self.path} cannot be written; free space there, then run the same command "
+                     f"again")
             if wandb_log:
                 try:
                     import wandb  # optional, so imported only when asked for; WANDB_MODE=offline needs no network
@@ -66,8 +73,16 @@ class MetricsLogger:
     def log(self, metrics):
         if not self.active:
             return
-        with open(self.path, "a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        if self.path:
+            try:
+                with open(self.path, "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            except OSError as e:
+                stop_signal.request(f"{e.strerror}: {self.path} could not be written from iter {metrics.get('iter')} "
+                                    f"on (those rows are missing)")
+                print(f"{e.strerror}: {self.path} could not be written at iter {metrics.get('iter')}: stopping after "
+                      f"the next step with a checkpoint", flush=True)
+                self.path = None
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics.get("iter"))
 

@@ -85,6 +85,46 @@ def teardown_distributed(code=0):
     raise SystemExit(code)
 
 
+class StopSignal:
+    """Why this process stops before its last step, if it does. From install() (setup's first step) a SIGINT or SIGTERM
+    during start-up stops at once, unwinding (data preparation removes its temporary files), with one line; once
+    `starting` is False (setup's end), after the current step with a checkpoint, as does request() (a log the disk
+    refused). A second SIGINT stops at once; a SIGTERM after a SIGINT (torchrun passes Ctrl-C on) does not."""
+
+    def __init__(self):
+        self.name = None     # 'SIGINT' or 'SIGTERM', or the reason given to request()
+        self.signal = None   # the signal's number; None for a request: a stop that is a failure, not a preemption
+        self.at = None       # time.monotonic() of the signal: how long a stop takes, for a scheduler's grace period
+        self.starting = True
+
+    def install(self):
+        self.starting = True
+        for s in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(s, self.handle)
+
+    def handle(self, signum, frame):
+        name = signal.Signals(signum).name
+        # os.write, not print: a print inside a signal handler can interrupt a print and raise "reentrant call"
+        if self.starting:
+            if is_master():
+                os.write(2, f"stopped by {name} during start-up (before the first step): nothing to save; the same "
+                            f"command starts it again\n".encode())
+            raise SystemExit(128 + signum)
+        if self.name == "SIGINT" and name == "SIGINT":
+            raise SystemExit("second SIGINT: stopped at once, without a checkpoint")
+        if self.name is None:
+            self.name, self.signal, self.at = name, signum, time.monotonic()
+        os.write(2, f"rank {os.environ.get('RANK', 0)}: {name}: stopping after this step with a checkpoint\n".encode())
+
+    def request(self, reason):
+        """Stop after the current step with a checkpoint, exiting 1: reason says what failed."""
+        if self.name is None:
+            self.name = reason
+
+
+stop_signal = StopSignal()  # one per process, as signal handlers are
+
+
 def is_master():
     """Rank 0, or a plain process; readable before the process group exists (from torchrun's environment)."""
     return int(os.environ.get("RANK", 0)) == 0

@@ -23,11 +23,11 @@ def sft_data(tmp_path_factory):
     return builtin_data(tmp_path_factory.mktemp("data") / "builtin", "sft", n_train=400, n_val=40)
 
 
-def start(args, log, nproc=1, launcher=("-m", "torch.distributed.run")):
+def start(args, log, nproc=1, launcher=("-m", "torch.distributed.run"), env=None):
     """train_sft.py in the background, as a user starts it; its output (and its workers') into the file log."""
     cmd = [sys.executable] + ([] if nproc == 1 else [*launcher, "--standalone", f"--nproc_per_node={nproc}"])
     return subprocess.Popen(cmd + ["train_sft.py", *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})))
 
 
 def wait_for(condition, timeout=120):
@@ -157,6 +157,75 @@ def test_launch_py_ends_a_sigterm_as_a_preemption_and_the_run_resumes_as_if_neve
     timing = {"time_ms", "tokens_per_sec", "tokens_per_sec_per_gpu", "mfu", "data_time_frac", "peak_mem_gb"}
     a, b = ([{k: v for k, v in m.items() if k not in timing} for m in step_metrics(d)] for d in (straight, cut))
     assert a == b and len(a) == 30  # the same steps, bit for bit
+
+
+SLOW_SAVE = """import os, time
+if b"launch.py" not in open("/proc/self/cmdline", "rb").read().split(b"\\0"):  # the workers, not the launcher
+    replace = os.replace
+    def slow_replace(src, dst, *args, **kwargs):  # ckpt.pt is replaced 6 s late, as a big model's checkpoint would be
+        if str(dst).endswith("ckpt.pt"):
+            time.sleep(6)
+        return replace(src, dst, *args, **kwargs)
+    os.replace = slow_replace
+"""
+
+
+def test_launch_py_says_a_stop_its_workers_could_not_save_in_time_is_lost(tmp_path, sft_data):
+    """torchrun SIGKILLs a worker still running --shutdown_timeout seconds after its SIGTERM: no checkpoint, and
+    launch.py's exit is not 143 (a stop that was saved) but 1, with a line saying what was lost and what to set."""
+    (tmp_path / "site").mkdir()
+    (tmp_path / "site" / "sitecustomize.py").write_text(SLOW_SAVE)
+    out_dir, log = str(tmp_path / "run"), tmp_path / "run.log"
+    cfg = dict(LONG, data=sft_data, out_dir=out_dir, eval_interval=0, microbatch_tokens=1024)  # saves only to stop
+    launcher = start(as_args(**cfg), open(log, "w"), nproc=2, launcher=("launch.py", "--shutdown_timeout=2"),
+                     env=dict(PYTHONPATH=str(tmp_path / "site")))
+    wait_for(lambda: rows(out_dir) >= 2)
+    launcher.send_signal(signal.SIGTERM)
+    assert launcher.wait(timeout=120) == 1
+    text = log.read_text()
+    last = text.strip().splitlines()[-1]
+    assert last.startswith("launch.py: SIGTERM: the run was NOT saved (local rank 0 killed by SIGKILL"), text[-3000:]
+    assert "torchrun kills a worker still running 2 s after its signal" in last and "--shutdown_timeout=" in last
+    assert not os.path.exists(os.path.join(out_dir, "ckpt.pt"))  # (rank 1 may print its barrier's peer gone first)
+
+
+def test_launch_py_gives_the_workers_600_s_to_save_unless_told(monkeypatch):
+    """torchrun's own 30 s is less than a big model's step and checkpoint; a user's --shutdown_timeout wins."""
+    from torch.distributed.run import config_from_args, parse_args
+    import launch
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    argv = ["--standalone", "--nproc_per_node=2", "train_sft.py", "--max_iters=5"]
+    assert launch.shutdown_timeout(argv, os.environ) == 600
+    assert config_from_args(parse_args(argv))[0].shutdown_timeout == 600  # what torchrun's agent waits
+    argv = ["--standalone", "--shutdown_timeout=45", "train_sft.py"]
+    assert launch.shutdown_timeout(argv, os.environ) == 45
+    assert config_from_args(parse_args(argv))[0].shutdown_timeout == 45
+
+
+SIGTERM_IN_DATA = """import os, runpy, signal, sys
+import data.arithmetic as arithmetic
+examples = arithmetic.sft_examples
+def examples_then_sigterm(split, n, seed):  # SIGTERM with the 50th example: data preparation under way
+    for i, record in enumerate(examples(split, n, seed)):
+        if i == 50:
+            os.kill(os.getpid(), signal.SIGTERM)
+        yield record
+arithmetic.sft_examples = examples_then_sigterm
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_sigterm_during_data_preparation_is_one_line_and_leaves_no_temporary_files(tmp_path):
+    out_dir = str(tmp_path / "run")
+    out = subprocess.run([sys.executable, "-c", SIGTERM_IN_DATA, "train_sft.py", f"--out_dir={out_dir}",
+                          "--preset=tiny"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 128 + signal.SIGTERM, out.stderr[-3000:]
+    assert out.stderr.strip().splitlines() == ["stopped by SIGTERM during start-up (before the first step): nothing "
+                                               "to save; the same command starts it again"], out.stderr[-3000:]
+    left = [os.path.join(d, f) for d, _, files in os.walk(out_dir) for f in files]
+    assert left == [os.path.join(out_dir, "run.lock")] and open(left[0]).read() == ""  # no data/*.tmp, no holder
 
 
 SITE = """import os

@@ -127,7 +127,7 @@ class Full:  # writes half of what it is given, then fails as a full disk does
     def __exit__(self, *exc): self.f.close()
 def full_open(file, mode="r", *args, **kwargs):
     f = real_open(file, mode, *args, **kwargs)
-    if "w" in mode and str(file).endswith(name):
+    if ("w" in mode or "a" in mode) and str(file).endswith(name):
         opened[0] += 1
         return Full(f) if opened[0] == at else f
     return f
@@ -216,6 +216,8 @@ DAMAGE = {  # what a resume reads, damaged -> what the one line says
     "truncated ckpt.pt": (lambda d: cut(os.path.join(d, "ckpt.pt")), "ckpt.pt cannot be read ("),
     "truncated shard": (lambda d: cut(shard(d, "__0_0.distcp")), "the checkpoint's weights cannot be read ("),
     "missing .metadata": (lambda d: os.remove(shard(d, ".metadata")), "the checkpoint's weights cannot be read (no "),
+    "garbage .metadata": (lambda d: open(shard(d, ".metadata"), "w").write("garbage\n"),
+                          "the checkpoint's weights cannot be read (its .metadata is damaged: "),
     "damaged metrics line": (lambda d: spoil_first_line(os.path.join(d, "metrics.jsonl")),
                              "metrics.jsonl:1 is not a JSON line ("),
 }
@@ -245,3 +247,120 @@ def test_a_last_metrics_line_cut_short_is_dropped_and_the_run_resumes(tmp_path, 
     assert f"metrics.jsonl:{n + 1}, the last line, was cut short" in out.stdout and "Traceback" not in out.stderr
     assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 3]
     assert all(json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl")))
+
+
+def test_resuming_a_context_parallel_run_in_one_process_says_what_to_pass(tmp_path, finished):
+    out_dir = str(tmp_path / "run")
+    shutil.copytree(finished, out_dir)
+    ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"))
+    ckpt["config"]["context_parallel"] = 2  # as `torchrun --nproc_per_node=2 ... --context_parallel=2` saves it
+    torch.save(ckpt, os.path.join(out_dir, "ckpt.pt"))
+    line = one_line_failure(run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=3"],
+                                       check=False))
+    assert line.startswith("config error: context_parallel=2 (the value of the run being resumed); it must divide the "
+                           "number of processes (1)"), line
+    assert line.endswith("to resume it in 1 process, pass --context_parallel=1 and a --microbatch_tokens that holds "
+                         "its longest sequence (--microbatch_tokens=4096 does: 2 x 2048)"), line
+    run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=3", "--context_parallel=1",
+                                "--microbatch_tokens=4096"])
+    assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 3]
+
+
+# ---- 7. a full disk while metrics.jsonl is written
+
+def test_a_full_disk_at_start_up_is_one_line_and_leaves_no_empty_file(tmp_path):
+    """The write test of out_dir and the log's rewrite on resume: the disk takes the file, then refuses its bytes."""
+    import metrics
+    out_dir = tmp_path / "run"
+    out_dir.mkdir()
+    write_test = f"import os; os.symlink('/dev/full', '{out_dir}/.write_test_' + str(os.getpid()))"  # ENOSPC on write
+    out = subprocess.run([sys.executable, "-c", write_test + "; import runpy, sys; sys.argv = sys.argv[1:]; "
+                          "runpy.run_path(sys.argv[0], run_name='__main__')", "train_sft.py", f"--out_dir={out_dir}"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    line = one_line_failure(out)
+    assert "cannot write there (No space left on device)" in line, line
+    assert os.listdir(out_dir) == []
+    (out_dir / "metrics.jsonl").write_text(json.dumps(dict(iter=1, loss=1.0)) + "\n")
+    os.symlink("/dev/full", out_dir / "metrics.jsonl.tmp")
+    with pytest.raises(SystemExit, match="^No space left on device: .*metrics.jsonl cannot be written; free space"):
+        metrics.MetricsLogger(str(out_dir), resume_iter=1)
+    assert sorted(os.listdir(out_dir)) == ["metrics.jsonl"]  # the log as it was
+    assert json.loads((out_dir / "metrics.jsonl").read_text()) == dict(iter=1, loss=1.0)
+
+
+def test_a_full_disk_while_logging_stops_the_run_after_the_next_step_with_a_checkpoint(tmp_path, sft_data):
+    out_dir = str(tmp_path / "run")
+    out = run_on_full_disk("train_sft.py", as_args(out_dir=out_dir, data=sft_data, max_iters=8, eval_interval=0,
+                                                   **SFT), "metrics.jsonl", at=3)  # iter 3's row
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"No space left on device: {out_dir}/metrics.jsonl could not be written at iter 3: stopping after the " \
+           f"next step with a checkpoint" in out.stdout
+    last = out.stdout.strip().splitlines()[-1]
+    assert last.startswith(f"stopped after iter 4 by a failure: No space left on device: {out_dir}/metrics.jsonl "
+                           f"could not be written from iter 3 on (those rows are missing); checkpoint"), last
+    assert torch.load(os.path.join(out_dir, "ckpt.pt"))["iter_num"] == 4  # nothing trained is lost
+    out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume"])
+    assert "the last line, was cut short" in out.stdout  # half of iter 3's row: dropped
+    assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 5, 6, 7, 8]
+
+
+# ---- 8. the export moved into place: a kill at any moment leaves a whole export, never a mix
+
+class Killed(BaseException):
+    """A kill -9 between two file operations."""
+
+
+@pytest.mark.parametrize("lora_rank", [0, 4])
+def test_a_kill_while_an_export_moves_in_leaves_one_whole_export(tmp_path, monkeypatch, lora_rank):
+    import lora
+    from tokenizer import get_tokenizer
+    torch.manual_seed(0)
+    model = Transformer(config_from_preset("tiny", vocab_size=261))
+    adapters = dict(rank=lora_rank, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"], quantize="") if lora_rank \
+        else None
+    if adapters:
+        lora.add_adapters(model, lora_rank, 8, 0.0, adapters["targets"])
+    tok = get_tokenizer("byte")
+    run = SimpleNamespace(model=model, raw_model=model, adapters=adapters, master=True, out_dir=str(tmp_path),
+                          ckpt_path=str(tmp_path / "ckpt.pt"), tok=tok, start=dict(init_from="scratch"))
+    names = ["hf", "adapter"] if lora_rank else ["hf"]
+
+    def export(scale):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(scale)
+        checkpoint.export_hf(run)
+        return {d: files(os.path.join(tmp_path, d)) for d in names}
+
+    old, new = export(1.0), export(2.0)
+    assert old != new
+    replace, rmtree = os.replace, shutil.rmtree
+    for cut in range(1, 20):
+        export(0.5)  # back to the old weights, exported whole
+        calls = [0]
+
+        def killed_at_cut(real):
+            def op(*args, **kwargs):
+                calls[0] += 1
+                if calls[0] == cut:
+                    raise Killed
+                return real(*args, **kwargs)
+            return op
+        monkeypatch.setattr(os, "replace", killed_at_cut(replace))
+        monkeypatch.setattr(shutil, "rmtree", killed_at_cut(rmtree))
+        try:
+            export(2.0)
+            finished = True
+        except Killed:
+            finished = False
+        monkeypatch.setattr(os, "replace", replace)
+        monkeypatch.setattr(shutil, "rmtree", rmtree)
+        in_place = {d: files(os.path.join(tmp_path, d)) for d in names if os.path.isdir(os.path.join(tmp_path, d))}
+        assert all(v == old[d] for d, v in in_place.items()) or all(v == new[d] for d, v in in_place.items()), cut
+        checkpoint.finish_export(str(tmp_path))  # what the next run does at start-up, and every export first
+        now = {d: files(os.path.join(tmp_path, d)) for d in names}
+        assert now in (old, new), cut
+        assert sorted(os.listdir(tmp_path)) == sorted(names), cut
+        if finished:
+            break
+    assert finished and cut > 3  # every operation of the move was cut once

@@ -247,3 +247,23 @@ def test_resume_drops_log_rows_past_the_checkpoint(tmp_path):
     assert [m["iter"] for m in map(json.loads, path.read_text().splitlines())] == [1, 2, 3, 4, 5, 6]
     MetricsLogger(str(tmp_path))  # a fresh run: a fresh log
     assert path.read_text() == ""
+
+
+def test_non_finite_steps_in_a_row_are_counted_across_a_resume(tmp_path):
+    """The count of bad steps in a row, and of skipped steps, is the run's: saved with the checkpoint, so a run stopped
+    and resumed between bad steps still stops at max_bad_steps; a checkpoint without them (older) starts at 0."""
+    out_dir = str(tmp_path / "run")
+    data = builtin_data(tmp_path / "data", "sft", n_train=64, n_val=0)  # no val loss: a NaN run's checkpoint is written
+    # learning_rate=1e30: iter 1 updates to huge (finite) weights, every step after it is NaN and skipped
+    cfg = dict(SFT, out_dir=out_dir, data=data, batch_size=8, learning_rate=1e30, max_iters=3)
+    out = run_script("train_sft.py", as_args(**cfg))
+    assert "(2 in a row, at most max_bad_steps=3)" in out.stdout
+    assert torch.load(os.path.join(out_dir, "ckpt.pt"))["guard"] == dict(skipped_steps=2, bad_in_a_row=2)
+    out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=4"], check=False)
+    assert out.returncode != 0 and "stopping: 3 steps in a row had a non-finite loss" in out.stderr, out.stdout
+    ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"))
+    del ckpt["guard"]
+    torch.save(ckpt, os.path.join(out_dir, "ckpt.pt"))
+    out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=4"])
+    assert "(1 in a row, at most max_bad_steps=3)" in out.stdout
+    assert metrics(out_dir)[-1]["skipped_steps"] == 1  # counted from 0 again: the checkpoint had no count
