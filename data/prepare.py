@@ -139,9 +139,10 @@ def parse(record, where):
         record = {k: v for k, v in record.items() if k != "messages"}
     if "messages" in record:
         messages = check_messages(record["messages"], "messages", where)
-        if not any(m["role"] == "assistant" for m in messages):
-            raise DataError(f"{where}: no assistant turn in 'messages' — nothing would be trained; "
-                            f"add the assistant reply or drop the line")
+        if not any(m["role"] == "assistant" and m.get("weight", 1) != 0 for m in messages):
+            raise DataError(f"{where}: no assistant turn in 'messages'" + " with a weight other than 0" * any(
+                m["role"] == "assistant" for m in messages) + " — nothing would be trained; add the assistant reply "
+                "or drop the line")
         return "sft", messages
     if "chosen" in record and "rejected" in record:
         if "prompt" not in record and isinstance(record["chosen"], str) and isinstance(record["rejected"], str):

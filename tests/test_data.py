@@ -70,6 +70,8 @@ BAD_LINES = {  # name -> (bad line, regex the message must match after 'bad.json
                         r"messages\[0\]\.content is missing"),
     "empty assistant turn": (sft("hi", "  \n"), r"messages\[1\] is an empty assistant turn — write the reply"),
     "no assistant turn": (sft("hi"), r"no assistant turn in 'messages' — nothing would be trained"),
+    "every reply weight 0": ({"messages": [GOOD["messages"][0], dict(GOOD["messages"][1], weight=0)]},
+                             r"no assistant turn in 'messages' with a weight other than 0 — nothing would be trained"),
     "empty messages": ({"messages": []}, r"'messages' must be a non-empty list"),
     "non-UTF-8": (b'{"messages": [{"role": "user", "content": "caf\xe9"}]}',
                   r"invalid UTF-8 byte b'\\xe9' .* re-encode the file as UTF-8"),
