@@ -213,7 +213,8 @@ def export_hf(run):
     try:
         if run.adapters:  # LoRA: the merged weights (W + scale B A) in out_dir/hf, the adapters alone as a PEFT folder
             save_pretrained(run.raw_model, os.path.join(staging, "hf"), state=lora.merged_state_dict(run.raw_model))
-            lora.save_adapter(run.raw_model, os.path.join(staging, "adapter"), run.start["init_from"],
+            base = (run.config.get("hub") or {}).get("init_from", "").partition("@")[0] or run.start["init_from"]
+            lora.save_adapter(run.raw_model, os.path.join(staging, "adapter"), base,  # a hub name, as PEFT takes it
                               **{k: v for k, v in run.adapters.items() if k != "quantize"})
         else:
             save_pretrained(run.raw_model, os.path.join(staging, "hf"))  # FSDP2: gathered to rank 0's CPU

@@ -259,14 +259,16 @@ def test_sft_by_name_records_its_commits_and_resumes_on_them(tmp_path, repos):
 
 
 def test_dpo_and_rl_by_name(tmp_path, repos):
-    """DPO from a commit with pairs by name (a split the card names), RL from a branch with prompts by name: offline."""
+    """DPO (LoRA) from a commit with pairs by name (a split the card names), RL from a branch with prompts by name: offline."""
     home = tmp_path / "home"
     cache = cached(home, repos, COMMITS)
     lay_out_cache(cache, "model", MODEL, repos["model_v2"], "b" * 40, refs=("v2",))
     out = train("train_dpo.py", home, str(tmp_path / "dpo"), **SMALL, init_from=f"{MODEL}@{'a' * 40}",
                 data="nanopack-test/prefs", data_split="train_prefs", val_data="nanopack-test/prefs",
-                val_split="test_prefs")
+                val_split="test_prefs", lora_rank=2)
     assert f"hub: data=nanopack-test/prefs is commit {'d' * 40}: 2 file(s)" in out.stdout  # the card and the split
+    with open(tmp_path / "dpo" / "adapter" / "adapter_config.json") as f:  # PEFT loads its base by the hub name
+        assert json.load(f)["base_model_name_or_path"] == MODEL
     out = train("train_rl.py", home, str(tmp_path / "rl"), init_from=f"{MODEL}@v2", data="nanopack-test/prompts",
                 reward="tests.rl_rewards:distinct_characters", k=2, prompts_per_step=2, max_new_tokens=4, max_iters=1,
                 eval_interval=0, eval_examples=0)
