@@ -80,3 +80,17 @@ def test_bench_plan_vs_real_smoke():
     out = run("bench/plan_vs_real.py", "--preset=tiny")
     rows = [l.split("|") for l in out.splitlines() if l.startswith("| train_")]
     assert len(rows) == 2 and all(abs(float(r[4]) - 1) < 0.01 for r in rows), out
+
+
+def test_compile_stats_counts_recompiles():
+    """bench_train.py's recompiles column: a function compiled under grad, then called under no_grad, recompiles
+    once (guard grad_mode), and the reason is kept."""
+    code = ("import sys, torch; sys.path.insert(0, 'bench'); import compile_stats; compile_stats.watch()\n"
+            "f = torch.compile(lambda x: x * 2, backend='eager', dynamic=True)\n"
+            "x = torch.ones(3, requires_grad=True); f(x); f(torch.ones(5, requires_grad=True))\n"
+            "with torch.no_grad(): f(x)\n"
+            "print(compile_stats.read())")
+    stats = eval(run("-c", code).strip().splitlines()[-1])
+    assert stats["graphs"] == 2 and stats["recompiles"] == 1, stats
+    assert list(stats["recompile_reasons"]) == ["GLOBAL_STATE changed: grad_mode"], stats
+
