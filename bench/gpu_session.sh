@@ -37,6 +37,10 @@ else  # the rehearsal: toy sizes, limits doubled for a shared CPU, one thread (t
   SFT=(--max_iters=30 --eval_examples=20) SHORT=(--max_iters=2 --eval_examples=10)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 fi
+for s in $STEPS; do  # a typo would otherwise run nothing and say nothing of it
+  [[ $s =~ ^[1-6]$ ]] || { echo "gpu_session.sh: STEPS='$STEPS': the steps are 1 to 6, e.g. STEPS='5 6'"; exit 2; }
+done
+[[ $budget =~ ^[0-9]+$ ]] || { echo "gpu_session.sh: budget '$budget': give the seconds it may take, e.g. 560"; exit 2; }
 end=$(( t_begin + budget ))
 failed=() cut=() skipped=()
 say() { echo "$*" | tee -a "$LOG"; }
@@ -77,7 +81,7 @@ step1() {
 step2() {
   run 2_sft 100 env TORCH_LOGS=recompiles $PY train_sft.py --out_dir="$R/sft" --overwrite=True "${SFT[@]}"
   figures 2_sft "^model:|^compile|val accuracy|^done|Error|error:"
-  grep -E "^iter [0-9]+/" "$O/2_sft.log" | sed -n '1,2p;$p' | tee -a "$LOG"  # the first steps compile
+  grep -E "^iter [0-9]+/" "$O/2_sft.log" 2>/dev/null | sed -n '1,2p;$p' | tee -a "$LOG"  # the first steps compile
 }
 step3() {
   run 3_compile 120 $PY bench/bench_train.py --mode sft --size $SIZE --configs packed,packed+compile --steps 3 \
