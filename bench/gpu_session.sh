@@ -42,7 +42,7 @@ else  # the rehearsal: toy sizes, limits x3 for a shared CPU, one thread (two sp
   budget=${1:-600} slack=3 SIZE=tiny SHAPE=toy TOKENS=256
   SFT=(--max_iters=30 --eval_examples=20) SHORT=(--max_iters=2 --eval_examples=10)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-  wheels="not installed without CUDA: this machine's own packages"
+  wheels="none without CUDA: this machine's own packages"
 fi
 for s in $STEPS; do  # a typo would otherwise run nothing and say nothing of it
   [[ $s =~ ^[1-6]$ ]] || { echo "gpu_session.sh: STEPS='$STEPS': the steps are 1 to 6, e.g. STEPS='5 6'"; exit 2; }
