@@ -7,6 +7,7 @@ import importlib
 import inspect
 import os
 import platform
+import shutil
 import subprocess
 import sys
 
@@ -15,7 +16,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NEEDED_BY = {  # package -> what of bench/gpu_session.sh cannot run without it
     "torch": "no step can run", "numpy": "no step can run", "pytest": "step 1's CUDA tests cannot run",
     "triton": "no fused RoPE kernel: step 1's RoPE test fails, every run uses eager RoPE",
-    "transformers": "the hf and TRL rows of steps 3-4 cannot run", "tokenizers": "the TRL rows cannot run",
+    "transformers": "step 4's hf and TRL rows cannot run", "tokenizers": "the TRL rows cannot run",
     "trl": "step 4's TRL DPOTrainer row cannot run", "datasets": "step 4's TRL row cannot run (trl needs it)",
     "accelerate": "step 4's TRL row cannot run (trl needs it)", "peft": "nothing in the session needs it",
     "torchao": "step 6's QLoRA rows cannot run (NF4)", "flash_attn": "optional: model.py uses torch's varlen_attn",
@@ -39,9 +40,10 @@ def main():
     props = torch.cuda.get_device_properties(0)
     print(f"GPU {props.name}, {props.total_memory / 2**30:.1f} GiB, {props.multi_processor_count} SMs, capability "
           f"{props.major}.{props.minor}")
-    smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm", "--format=csv,noheader"],
-                         capture_output=True, text=True)
-    print(f"nvidia-smi: driver, max SM clock: {smi.stdout.strip() or smi.stderr.strip()[:100]}")
+    if shutil.which("nvidia-smi"):
+        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm", "--format=csv,noheader"],
+                             capture_output=True, text=True)
+        print(f"nvidia-smi: driver, max SM clock: {smi.stdout.strip() or smi.stderr.strip()[:100]}")
     if model.varlen_attn is not None:
         print(f"torch varlen_attn{inspect.signature(model.varlen_attn)}")
     print(f"attention backend for bf16 on cuda: {model.attention_backend(torch.device('cuda'), torch.bfloat16)}")
