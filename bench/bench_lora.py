@@ -40,7 +40,8 @@ def measure(shape, mode, tokens, steps):
     from model import Transformer, config_from_preset
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    model = Transformer(config_from_preset(shape)).to(device)
+    with torch.device(device):  # initialised where it trains: a 1B model's random init takes seconds on the CPU
+        model = Transformer(config_from_preset(shape))
     opts = MODES[mode]
     if opts:
         lora.add_adapters(model, opts["rank"], 2 * opts["rank"])
@@ -90,7 +91,7 @@ if __name__ == "__main__":
             out = subprocess.run([sys.executable, __file__, f"--one={shape}/{mode}", f"--tokens={args.tokens}",
                                   f"--steps={args.steps}"], capture_output=True, text=True)
             if out.returncode:
-                print(f"| {shape} | {mode} | failed: {out.stderr.strip().splitlines()[-1]} |")
+                print(f"| {shape} | {mode} | failed: {(out.stderr.strip().splitlines() or ['(no message)'])[-1]} |")
                 continue
             r = json.loads(out.stdout.strip().splitlines()[-1])
             print(f"| {shape} | {mode} | {r['trained'] / 1e6:.1f}M | {gib(r['weights'])} | {gib(r['grads'])} | "

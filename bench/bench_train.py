@@ -21,7 +21,9 @@ End-to-end training steps, side by side on the same data, model shape, initial w
 A step is `batch_size` examples (DPO: pairs) drawn in one seeded order; packed configurations pack them by
 best-fit-decreasing into bins of at most microbatch_tokens tokens, padded ones group them in that order while
 (examples x longest) fits the same budget. Reported tokens are real tokens (padding excluded), timed over
---steps steps after --warmup steps; MFU counts FLOPs of real tokens from the actual lengths (CUDA only).
+--steps steps after --warmup steps; MFU counts FLOPs of real tokens from the actual lengths (CUDA only). Compiled rows
+also give the graphs compiled, the recompiles (each failed guard is printed below the table) and dynamo's compile
+seconds (bench/compile_stats.py).
 DPO uses reference log-probs computed before timing by each configuration's own forward (as the cached mode
 does), so the steps compare the policy's forward + backward only; pairs/s is the figure to compare there, since
 packed+shared computes fewer tokens for the same pairs. DPO data: lognormal (prompt and each response ~150
@@ -42,6 +44,8 @@ import time
 from dataclasses import replace
 
 import numpy as np
+
+import compile_stats
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -246,11 +250,9 @@ def result(tokens, positions, flops, elapsed, loss, rss0):
     import metrics
     cuda = torch.cuda.is_available()
     peak_flops = metrics.peak_flops(torch.device("cuda" if cuda else "cpu"))
-    from torch._dynamo.utils import counters
     return dict(tokens_per_sec=tokens / elapsed, mfu=flops / elapsed / peak_flops if peak_flops else None, elapsed=elapsed, flops=flops,
                 peak_gib=torch.cuda.max_memory_allocated() / 2**30 if cuda else rss_gib() - rss0,
-                padding=1 - tokens / positions, loss=loss, tokens=tokens, graphs=counters["stats"]["unique_graphs"],
-                positions=positions)
+                padding=1 - tokens / positions, loss=loss, tokens=tokens, positions=positions, **compile_stats.read())
 
 
 def run_config(name, args):
@@ -273,7 +275,8 @@ def run_config(name, args):
     rss0 = rss_gib()
     torch.manual_seed(0)
     cfg = model_config(args)
-    net = Transformer(cfg)
+    with device:  # initialised where it trains: a 1B model's random init takes seconds on the CPU
+        net = Transformer(cfg)
     if name == "hf":  # the same weights, through a Hugging Face checkpoint
         from transformers import AutoModelForCausalLM
         with tempfile.TemporaryDirectory() as tmp:
@@ -456,7 +459,10 @@ def run_trl(name, args):
     torch.manual_seed(0)
     cfg = model_config(args)
     with tempfile.TemporaryDirectory() as tmp:
-        save_pretrained(Transformer(cfg), tmp)  # the same initial weights as every other row
+        with torch.device("cuda" if cuda else "cpu"):  # initialised as run_config does
+            init = Transformer(cfg)
+        save_pretrained(init, tmp)  # the same initial weights as every other row
+        del init
         net = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32, attn_implementation="sdpa")
     with torch.device("meta"):
         flops_model = Transformer(cfg)
@@ -549,6 +555,7 @@ def main():
     args.configs = args.configs or ",".join(CONFIGS[args.mode])
     args.vocab = 128256 if isinstance(model, str) else model["vocab_size"]
     if args.child:  # inside a subprocess: one configuration, its result as JSON
+        compile_stats.watch()
         if not cuda:
             limit = int(args.mem_limit_gb * 2**30)
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -580,7 +587,8 @@ def main():
         line = [l for l in out.stdout.splitlines() if l.startswith("RESULT ")]
         res = json.loads(line[-1][7:]) if line else dict(error=f"crashed (exit {out.returncode}): "
                                                             + (out.stderr.strip().splitlines() or [""])[-1][:120])
-        print(f"  {name}: {time.perf_counter() - t:.0f}s", flush=True)
+        done = f", {res['tokens_per_sec']:,.0f} tok/s, loss {res['loss']:.4f}" if "loss" in res else f": {res['error']}"
+        print(f"  {name}: {time.perf_counter() - t:.0f}s{done}", flush=True)  # what a killed run leaves
         if args.profile:
             print("\n".join(l for l in out.stdout.splitlines() if not l.startswith(("RESULT ", "{"))), flush=True)
         rows.append((name, res))
@@ -588,12 +596,13 @@ def main():
     mem_name = "peak GiB (CUDA alloc)" if cuda else "peak GiB (RSS growth)"
     unit = "pairs" if args.mode == "dpo" else "examples"
     header = (f"| config | real tok/s (per GPU) | MFU | {mem_name} | padding | loss after {args.steps + args.warmup} steps "
-              f"| speed vs hf | compiled graphs | {unit}/s | vs packed | tokens computed/step | % of matmul |")
+              f"| speed vs hf | compiled graphs | {unit}/s | vs packed | tokens computed/step | % of matmul "
+              f"| recompiles | compile s |")
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     for name, r in rows:
         if "error" in r:
-            print(f"| {name} | {r['error']} | | | | | | | | | | |")
+            print(f"| {name} | {r['error']} |" + " |" * 12)
             continue
         units_per_sec = args.batch_size * args.steps / r["elapsed"]
         packed = dict(rows).get("packed", {})
@@ -602,7 +611,11 @@ def main():
         ratio = f"{r['tokens_per_sec'] / base:.2f}x" if base else "-"
         print(f"| {name} | {r['tokens_per_sec']:,.0f} | {mfu} | {r['peak_gib']:.2f} | {100 * r['padding']:.1f}% | "
               f"{r['loss']:.4f} | {ratio} | {r.get('graphs') or '-'} | {units_per_sec:.2f} | {vs_packed} | "
-              f"{r['tokens'] / args.steps:,.0f} | {100 * r['flops'] / r['elapsed'] / matmul:.1f}% |")
+              f"{r['tokens'] / args.steps:,.0f} | {100 * r['flops'] / r['elapsed'] / matmul:.1f}% | "
+              f"{r['recompiles'] if r['graphs'] else '-'} | {r['compile_s']:.1f} |")
+    for name, r in rows:  # TORCH_LOGS=recompiles prints each one in full
+        for reason, n in r.get("recompile_reasons", {}).items():
+            print(f"recompiled in {name} ({n}x): {reason}")
     got = dict(rows)
     if all("elapsed" in got.get(n, {}) for n in ("packed", "packed+shared")):
         a, b = got["packed"], got["packed+shared"]

@@ -1,8 +1,12 @@
 """Benchmarks are not tests, but each must still run: a tiny-size smoke run per script, so none can rot."""
 
+import json
 import os
+import re
 import subprocess
 import sys
+
+import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -97,3 +101,48 @@ def test_bench_dpo_losses_smoke(tmp_path):
               f"--out={tmp_path / 'runs'}", "--", f"--data={pairs}", "--max_iters=2", "--batch_size=8")
     rows = table_rows(out)
     assert rows["robust"][0] == "--label_smoothing=0.1" and rows["bco_pair"][0] == "-", out
+
+
+def test_compile_stats_counts_recompiles():
+    """bench_train.py's recompiles column: a function compiled under grad, then called under no_grad, recompiles
+    once (guard grad_mode), and the reason is kept."""
+    code = ("import sys, torch; sys.path.insert(0, 'bench'); import compile_stats; compile_stats.watch()\n"
+            "f = torch.compile(lambda x: x * 2, backend='eager', dynamic=True)\n"
+            "x = torch.ones(3, requires_grad=True); f(x); f(torch.ones(5, requires_grad=True))\n"
+            "with torch.no_grad(): f(x)\n"
+            "import json; print(json.dumps(compile_stats.read()))")
+    stats = json.loads(run("-c", code).strip().splitlines()[-1])
+    assert stats["graphs"] == 2 and stats["recompiles"] == 1, stats
+    assert list(stats["recompile_reasons"]) == ["GLOBAL_STATE changed: grad_mode"], stats
+
+
+def session(tmp_path, *args, **env):
+    """bench/gpu_session.sh as the device tool runs it, its logs in tmp_path/out -> (exit code, session.log)."""
+    env = dict(os.environ, OUT=str(tmp_path / "out"), RUNS=str(tmp_path / "runs"), PYTHON=sys.executable, **env)
+    out = subprocess.run(["bash", "bench/gpu_session.sh", *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=900)
+    return out.returncode, (tmp_path / "out" / "session.log").read_text() + out.stderr
+
+
+def test_gpu_session_says_what_it_did_not_run(tmp_path):
+    """Out of time, no command starts, each is named as not run, and the exit status says so."""
+    rc, log = session(tmp_path, "1", STEPS="1 2")
+    assert rc == 1 and log.count("NOT RUN (out of time)") == 3 and " rc=" not in log, log
+
+
+@pytest.mark.slow
+def test_gpu_session_rehearsal(tmp_path):
+    """Without CUDA the GPU session's script runs every step at toy sizes: every command exits 0 (the CUDA-only checks
+    say they were skipped), each step leaves its figures in session.log, and $OUT holds at most 8 files (what the
+    device tool brings back)."""
+    rc, log = session(tmp_path)
+    commands = re.findall(r"^=== (\w+) rc=(\d+)", log, re.M)
+    assert rc == 0 and [rc for _, rc in commands] == ["0"] * 11, log
+    assert [s for s, _ in commands] == ["1_env"] * 2 + ["2_sft", "3_compile"] + ["4_dpo"] * 3 + ["5_rl", "5_rl"] + [
+        "6_lora"] * 2, log
+    assert "skipped: no CUDA" in log and "needs a CUDA GPU" in log, log  # honest skips, not passes
+    for figure in ("val accuracy", "| packed+compile |", "| packed+shared |", "| hf |", "| trl |", "generation",
+                   "| toy | qlora r=16 |", "LoRA r=16"):
+        assert figure in log, figure
+    assert not re.search(r"crashed|not installed|failed:|Traceback", log), log
+    assert len(os.listdir(tmp_path / "out")) <= 8
