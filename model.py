@@ -171,16 +171,14 @@ def apply_rope(q, k, cos, sin, position_ids):
     return rope_reference(q, k, cos, sin, position_ids)
 
 
-_ATTN_BACKEND = {}  # device type -> backend name; tests may set it to force a backend
+# device type -> backend name (tests may set it), fixed at import: a dict filled in a compiled call fails its guard once
+_ATTN_BACKEND = dict(cpu="sdpa", cuda="flash_attn" if flash_attn_varlen_func is not None else "torch_varlen"
+                     if varlen_attn is not None else "sdpa")
 
 
 def attention_backend(device, dtype):
-    if device.type not in _ATTN_BACKEND:
-        cuda = device.type == "cuda"
-        _ATTN_BACKEND[device.type] = ("flash_attn" if cuda and flash_attn_varlen_func is not None else
-                                      "torch_varlen" if cuda and varlen_attn is not None else "sdpa")
     # the flash kernels take half precision only; a float32 run (e.g. a parity test) uses the exact fallback
-    return _ATTN_BACKEND[device.type] if dtype in (torch.float16, torch.bfloat16) else "sdpa"
+    return _ATTN_BACKEND.get(device.type, "sdpa") if dtype in (torch.float16, torch.bfloat16) else "sdpa"
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_seqlens_k=None, max_seqlen_k=None):

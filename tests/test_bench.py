@@ -50,6 +50,7 @@ def test_bench_train_smoke_and_equal_losses():
         assert max(losses[:len(same)]) - min(losses[:len(same)]) < 1e-3 * abs(losses[0]), out
         assert rows["packed"][3] == "0.0%" and float(rows["padded"][3].rstrip("%")) > 10, out  # padding fraction
         assert rows.get("packed+compile", ["", "", "", "0.0%"])[3] == "0.0%", out  # dynamic shapes: nothing padded
+        assert rows.get("packed+compile", [""] * 12)[11] in ("", "0"), out  # and no recompile as lengths change
 
 
 def test_bench_kernels_smoke():

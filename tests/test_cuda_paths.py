@@ -130,7 +130,7 @@ def test_cuda_branch_prefix_shared(monkeypatch, kind, kw):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_real_kernels_align_causal_at_the_bottom_right():
+def test_real_kernels_align_causal_at_the_bottom_right(monkeypatch):
     """On a GPU: the real varlen kernels with cu_seqlens_k != cu_seqlens_q (a query segment that is the tail of a
     longer key segment) equal the SDPA fallback's explicit bottom-right mask, window and GQA included."""
     torch.manual_seed(0)
@@ -143,8 +143,7 @@ def test_real_kernels_align_causal_at_the_bottom_right():
         ref = M.sdpa_per_sequence(q.float(), k.float(), v.float(), cu_q, window, cu_k)
         for name in [n for n in ("flash_attn", "torch_varlen") if (M.flash_attn_varlen_func if n == "flash_attn"
                                                                    else M.varlen_attn) is not None]:
-            M._ATTN_BACKEND["cuda"] = name
+            monkeypatch.setitem(M._ATTN_BACKEND, "cuda", name)
             out = M.varlen_attention(q, k, v, cu_q, max(lens_q), window, cu_k, max(lens_k))
             # bf16 inputs, float32 reference: one bf16 rounding of an average of values ~1: 2e-2
             torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0, msg=lambda m: f"{name} {window}: {m}")
-        M._ATTN_BACKEND.pop("cuda", None)
