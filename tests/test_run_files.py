@@ -322,7 +322,7 @@ def test_a_kill_while_an_export_moves_in_leaves_one_whole_export(tmp_path, monke
         lora.add_adapters(model, lora_rank, 8, 0.0, adapters["targets"])
     tok = get_tokenizer("byte")
     run = SimpleNamespace(model=model, raw_model=model, adapters=adapters, master=True, out_dir=str(tmp_path),
-                          ckpt_path=str(tmp_path / "ckpt.pt"), tok=tok, start=dict(init_from="scratch"))
+                          ckpt_path=str(tmp_path / "ckpt.pt"), tok=tok, start=dict(init_from="scratch"), config={})
     names = ["hf", "adapter"] if lora_rank else ["hf"]
 
     def export(scale):
