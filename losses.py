@@ -1,7 +1,7 @@
 """
 The losses on log-probs, pure functions of tensors (tests/test_dpo_loss.py, tests/test_train_rl.py):
   dpo_loss          the DPO family: sigmoid (DPO), ipo, hinge, dpo_norm, simpo, apo_zero, robust, bco_pair
-                    (train_dpo.py; online DPO in train_rl.py), tested against TRL's own code (README: which setting)
+                    (train_dpo.py; online DPO in train_rl.py), tested against TRL (docs/dpo.md: which setting)
   preference_loss   the step's loss from dpo_loss's: the mean over pairs, plus an SFT term (sft_weight)
   group_advantages  GRPO's group-normalised rewards of k replies per prompt
   policy_loss       GRPO's per-token clipped policy loss (+ a KL estimate to a reference)

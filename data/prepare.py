@@ -197,7 +197,7 @@ def fit(seqs, kind, where, max_len, overlong):
     if overlong == "error":
         what = "the example" if kind == "sft" else "the longer side of the pair"
         raise DataError(f"{where}: {what} is {longest} tokens, more than max_len={max_len} — raise "
-                        f"--max_len, or pass --overlong truncate (keep the first max_len tokens) or skip")
+                        f"--max_len, or pass --overlong=truncate (keep the first max_len tokens) or --overlong=skip")
     if overlong == "skip":
         return [], "skipped"
     seqs = [(ids[:max_len], mask[:max_len]) for ids, mask in seqs]

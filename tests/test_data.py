@@ -129,7 +129,7 @@ def test_overlong_policies(tmp_path):
     kw = dict(tokenizer=TOK, max_len=40, val_fraction=0, verbose=False)
     # line 2 in byte tokens: <|bos|><|user|>hi<|end|><|assistant|> + 100 x + <|end|> = 107
     with pytest.raises(DataError, match=r"long\.jsonl:2: the example is 107 tokens, more than max_len=40 — "
-                                        r"raise --max_len, or pass --overlong truncate"):
+                                        r"raise --max_len, or pass --overlong=truncate"):
         prepare(path, str(tmp_path / "e"), **kw)
 
     meta = prepare(path, str(tmp_path / "t"), overlong="truncate", **kw)
