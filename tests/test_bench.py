@@ -17,6 +17,7 @@ def run(*args):
     return out.stdout
 
 
+@pytest.mark.slow
 def test_bench_lm_head_smoke():
     out = run("bench/bench_lm_head.py", "--T", "512", "--d", "32", "--V", "300", "--iters", "1")
     table = [l for l in out.splitlines() if l.startswith("| 512 |")]
@@ -25,6 +26,7 @@ def test_bench_lm_head_smoke():
     assert rel_diff < 1e-5  # both methods computed the same loss
 
 
+@pytest.mark.slow
 def test_bench_packing_smoke():
     out = run("bench/bench_packing.py", "--small")
     assert "BFD (ours)" in out and "packing time" in out, out
@@ -35,6 +37,7 @@ def table_rows(out):
                                              for l in out.splitlines() if l.startswith("| ")) if cells[0] != "config"}
 
 
+@pytest.mark.slow
 def test_bench_train_smoke_and_equal_losses():
     """Packed (eager and torch.compile), padded, Hugging Face and TRL (padding-free SFT, DPO) training take the
     same steps on the same data and weights: the loss after two optimizer steps must agree (float32 on CPU:
@@ -53,11 +56,13 @@ def test_bench_train_smoke_and_equal_losses():
         assert rows.get("packed+compile", [""] * 12)[11] in ("", "0"), out  # and no recompile as lengths change
 
 
+@pytest.mark.slow
 def test_bench_kernels_smoke():
     out = run("bench/bench_kernels.py", "--small")
     assert "| sdpa | 64 |" in out and "RoPE" in out, out
 
 
+@pytest.mark.slow
 def test_bench_generate_smoke():
     """Every method runs, and the cached generation gives the no-cache tokens (transformers' may differ where a
     tiny random model's logits nearly tie, so only its row's presence is checked)."""
@@ -67,12 +72,14 @@ def test_bench_generate_smoke():
     assert [r[5] for r in rows if r[1] == "nanopack, no cache"] == ["1/1", "3/3"], out
 
 
+@pytest.mark.slow
 def test_bench_scale_smoke():
     out = run("bench/bench_scale.py", "--preset", "tiny", "--world_sizes", "1,2")
     rows = [l for l in out.splitlines() if l.startswith(("| 1 |", "| 2 |"))]
     assert len(rows) == 4 and not any("failed" in r for r in rows), out
 
 
+@pytest.mark.slow
 def test_bench_context_smoke():
     out = run("bench/bench_context.py", "--tokens", "512", "--n_layer", "1", "--steps", "1")
     rows = [l for l in out.splitlines() if l.startswith(("| 1 | 0 |", "| 2 | 0 |", "| 2 | 1 |"))]
@@ -80,6 +87,7 @@ def test_bench_context_smoke():
     assert "| one sequence of 512 | 1 | 2 | 0 | 1.000 | 1.499 |" in out, out  # head-tail balanced, contiguous not
 
 
+@pytest.mark.slow
 def test_bench_plan_vs_real_smoke():
     """The plan of an SFT and a DPO step equals the same tracker on the real step (tiny model: seconds)."""
     out = run("bench/plan_vs_real.py", "--preset=tiny")
@@ -87,6 +95,7 @@ def test_bench_plan_vs_real_smoke():
     assert len(rows) == 2 and all(abs(float(r[4]) - 1) < 0.01 for r in rows), out
 
 
+@pytest.mark.slow
 def test_bench_dpo_losses_smoke(tmp_path):
     """Two loss types from a tiny random model folder on a few built-in pairs, two steps each: a row per type."""
     import torch

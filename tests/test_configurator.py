@@ -82,6 +82,7 @@ def test_rules_bools_and_strings_as_typed():
             configure(cfg(), argv, rules=rules)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_sft.py", "train_dpo.py", "train_rl.py", "sample.py"])
 def test_help_lists_every_key_with_its_default_and_comment(script):
     out = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, capture_output=True, text=True, timeout=120)

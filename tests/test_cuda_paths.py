@@ -68,6 +68,7 @@ def expected_calls(kind, config):  # a release without window_size runs a slidin
     return [] if kind == "torch_varlen_is_causal" and config.sliding_window else [kind] * config.n_layer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("kw", [dict(), dict(sliding_window=7), dict(n_kv_head=4, qkv_bias=True)],
                          ids=["gqa", "window", "mha+bias"])
@@ -103,6 +104,7 @@ def test_torch_varlen_signature_is_one_we_call():
                for keys in VARLEN_RELEASES.values()), params
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("kw", [dict(), dict(sliding_window=6)], ids=["gqa", "window"])
 def test_cuda_branch_prefix_shared(monkeypatch, kind, kw):

@@ -162,6 +162,7 @@ def test_cli_reads_a_split_folder(tmp_path):
     assert (counts["train"]["examples"], counts["val"]["examples"]) == (10, 4)
 
 
+@pytest.mark.slow
 def test_train_dpo_takes_a_downloaded_split_folder(tmp_path):
     """--data/--data_split/--val_data as a user passes them: the run's token files equal prepare()'s."""
     folder = tmp_path / "ultrafeedback_binarized" / "data"

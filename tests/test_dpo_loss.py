@@ -238,6 +238,7 @@ TRL_EQUALS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::FutureWarning")  # DPOConfig's own deprecations, not ours
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("sft_weight", [0.0, 0.3])

@@ -15,6 +15,7 @@ def generators(n, seed=100):
     return [torch.Generator().manual_seed(seed + r) for r in range(n)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("config", CACHE_CONFIGS)
 def test_k_replies_from_one_prefill_equal_k_separate_generations(config):
     model = random_model(**CACHE_CONFIGS[config])

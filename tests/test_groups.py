@@ -78,6 +78,7 @@ def assert_close_runs(a, b):
         torch.testing.assert_close(ga[k] / scale, gb[k] / scale, atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_kw", list(MODELS.values()), ids=list(MODELS))
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("k", [1, 2, 3, 8])

@@ -180,6 +180,7 @@ def test_offline_reads_the_cache_and_never_the_network(tmp_path, repos, use_hub)
 SMALL = dict(max_iters=1, batch_size=4, microbatch_tokens=512, eval_interval=0, eval_examples=0, log_interval=1)
 
 
+@pytest.mark.slow
 def test_two_processes_download_a_repo_once(tmp_path, server):
     """Two processes resolving one name at once (two ranks, or two nodes on a shared filesystem): one downloads while
     the other waits on the cache's lock, then finds every file there; each file crosses the network once."""
@@ -231,6 +232,7 @@ def train(script, home, out_dir, *extra, check=True, **cfg):
     return out
 
 
+@pytest.mark.slow
 def test_sft_by_name_records_its_commits_and_resumes_on_them(tmp_path, repos):
     """A run by names prints and records each name's commit (the saved config, metrics.jsonl's first line); after main
     moves to a new commit, --init_from=resume (given the same names again) reads the commits the run started from."""
@@ -258,6 +260,7 @@ def test_sft_by_name_records_its_commits_and_resumes_on_them(tmp_path, repos):
                                                            "--data=nanopack-test/chats@v2"])
 
 
+@pytest.mark.slow
 def test_dpo_and_rl_by_name(tmp_path, repos):
     """DPO (LoRA) from a commit with pairs by name (a split the card names), RL from a branch with prompts by name: offline."""
     home = tmp_path / "home"

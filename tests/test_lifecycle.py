@@ -71,6 +71,7 @@ def snapshot(folder):
             for d, _, files in os.walk(folder) for f in files}
 
 
+@pytest.mark.slow
 def test_a_second_run_into_a_live_runs_out_dir_stops_with_one_line_and_writes_nothing(tmp_path, sft_data):
     out_dir = str(tmp_path / "run")
     first = start(as_args(**LONG, out_dir=out_dir, data=sft_data), open(tmp_path / "first.log", "w"))
@@ -97,6 +98,7 @@ def test_a_second_run_into_a_live_runs_out_dir_stops_with_one_line_and_writes_no
     assert open(os.path.join(out_dir, "run.lock")).read() == ""  # its clean exit names no holder
 
 
+@pytest.mark.slow
 def test_the_lock_of_a_killed_run_is_taken_over_with_a_note(tmp_path, sft_data):
     out_dir = str(tmp_path / "run")
     first = start(as_args(**LONG, out_dir=out_dir, data=sft_data), open(tmp_path / "first.log", "w"))
@@ -115,6 +117,7 @@ def test_the_lock_of_a_killed_run_is_taken_over_with_a_note(tmp_path, sft_data):
     assert [m["iter"] for m in step_metrics(out_dir)][-2:] == [at + 1, at + 2]
 
 
+@pytest.mark.slow
 def test_the_workers_of_a_killed_launcher_save_and_stop_and_the_run_resumes(tmp_path, sft_data):
     """kill -9 of torchrun: its workers (in sessions of their own) get SIGTERM from the kernel (PR_SET_PDEATHSIG),
     finish the step, save and exit; none trains on into out_dir beside the resumed run."""
@@ -139,6 +142,7 @@ def test_the_workers_of_a_killed_launcher_save_and_stop_and_the_run_resumes(tmp_
     assert [m["iter"] for m in step_metrics(out_dir)] == list(range(1, at + 3))
 
 
+@pytest.mark.slow
 def test_launch_py_ends_a_sigterm_as_a_preemption_and_the_run_resumes_as_if_never_stopped(tmp_path, sft_data):
     cfg = dict(LONG, data=sft_data, max_iters=30, eval_interval=0, microbatch_tokens=1024)
     straight, cut, log = str(tmp_path / "straight"), str(tmp_path / "cut"), tmp_path / "cut.log"
@@ -170,6 +174,7 @@ if b"launch.py" not in open("/proc/self/cmdline", "rb").read().split(b"\\0"):  #
 """
 
 
+@pytest.mark.slow
 def test_launch_py_says_a_stop_its_workers_could_not_save_in_time_is_lost(tmp_path, sft_data):
     """torchrun SIGKILLs a worker still running --shutdown_timeout seconds after its SIGTERM: no checkpoint, and
     launch.py's exit is not 143 (a stop that was saved) but 1, with a line saying what was lost and what to set."""
@@ -216,6 +221,7 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
+@pytest.mark.slow
 def test_a_sigterm_during_data_preparation_is_one_line_and_leaves_no_temporary_files(tmp_path):
     out_dir = str(tmp_path / "run")
     out = subprocess.run([sys.executable, "-c", SIGTERM_IN_DATA, "train_sft.py", f"--out_dir={out_dir}",
@@ -239,6 +245,7 @@ if b"torch.distributed.run" not in open("/proc/self/cmdline", "rb").read():  # t
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc, parallel", [(1, "ddp"), (2, "ddp"), (2, "fsdp")])
 def test_no_thread_is_alive_when_the_interpreter_finalizes(tmp_path, sft_data, nproc, parallel):
     """A gloo worker thread that frees a tensor while the interpreter finalizes aborts the process (exit -6 after

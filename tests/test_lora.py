@@ -47,6 +47,7 @@ def lora_pair(kind, tmp_path, targets=lora.TARGETS, dropout=0.0):
     return ours, theirs.float()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])  # GQA with its own head; q/k/v biases with tied embeddings
 def test_forward_and_gradients_equal_peft(kind, tmp_path):
     ours, theirs = lora_pair(kind, tmp_path)
@@ -103,6 +104,7 @@ def test_only_the_adapters_train():
     assert all((p.grad is not None) == (name in adapters) for name, p in model.named_parameters())
 
 
+@pytest.mark.slow
 def test_step_zero_is_the_base_and_adapters_off_is_the_base():
     torch.manual_seed(0)
     base = Transformer(config_from_preset("tiny"))
@@ -138,6 +140,7 @@ def test_built_on_meta_then_placed_equals_built_in_place():
     assert {n for n, p in model.named_parameters() if p.requires_grad} == set(dict(lora.adapter_parameters(model)))
 
 
+@pytest.mark.slow
 def test_merged_and_peft_exports_load_with_equal_logits(tmp_path):
     targets = ("q_proj", "v_proj", "down_proj")
     ours, theirs = lora_pair("llama", tmp_path, targets=targets)
@@ -205,6 +208,7 @@ def qlora_pair():
     return model, rounded, original, kept
 
 
+@pytest.mark.slow
 def test_nf4_base_forward_and_backward_are_the_rounded_float_layer():
     model, rounded, _, _ = qlora_pair()
     q, ref = model.layers[0].self_attn.q_proj, rounded.layers[0].self_attn.q_proj
@@ -222,6 +226,7 @@ def test_nf4_base_forward_and_backward_are_the_rounded_float_layer():
     assert q.weight.grad is None
 
 
+@pytest.mark.slow
 def test_qlora_on_cpu_rounds_the_base_and_trains(capsys):
     model, rounded, original, kept = qlora_pair()
     # toy: k/v weights (64 x 128 = 8192 values) do not fill NF4's 64 x 256 blocks and stay float32, said in one line

@@ -59,6 +59,7 @@ def sft_run(tmp_path_factory, sft_data):
     return out_dir
 
 
+@pytest.mark.slow
 def test_sft_trains_only_the_adapters_and_both_exports_load(sft_run, tmp_path):
     torch.manual_seed(7)  # the run's scratch base, rebuilt as build_model makes it
     base = Transformer(config_from_preset("tiny", vocab_size=261))
@@ -88,11 +89,13 @@ def test_sft_trains_only_the_adapters_and_both_exports_load(sft_run, tmp_path):
     assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (4, 8, "scratch")
 
 
+@pytest.mark.slow
 def test_sft_micro_batches_equal_one_batch(sft_run, sft_data, tmp_path):
     run_script("train_sft.py", args(str(tmp_path / "many"), sft_data, microbatch_tokens=512))
     assert_same_run(sft_run, str(tmp_path / "many"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_sft_two_processes_equal_one(sft_run, sft_data, tmp_path, parallel):
     out_dir = str(tmp_path / parallel)
@@ -100,6 +103,7 @@ def test_sft_two_processes_equal_one(sft_run, sft_data, tmp_path, parallel):
     assert_same_run(sft_run, out_dir)
 
 
+@pytest.mark.slow
 def test_sft_resume_equals_the_straight_run(sft_run, sft_data, tmp_path):
     cut = str(tmp_path / "cut")
     run_script("train_sft.py", args(cut, sft_data, max_iters=2))
@@ -112,6 +116,7 @@ def test_sft_resume_equals_the_straight_run(sft_run, sft_data, tmp_path):
     assert_same_run(sft_run, cut, atol=0)  # the adapters and their optimizer state come back bit for bit
 
 
+@pytest.mark.slow
 def test_dpo_reference_is_the_base_with_adapters_off(pairs, tmp_path):
     off, cached = str(tmp_path / "off"), str(tmp_path / "cached")
     out = run_script("train_dpo.py", args(off, pairs, learning_rate=1e-3, min_lr=1e-3))
@@ -133,11 +138,13 @@ def test_dpo_reference_is_the_base_with_adapters_off(pairs, tmp_path):
         assert_same_run(off, out_dir)
 
 
+@pytest.mark.slow
 def test_sft_activation_checkpointing_takes_the_same_steps(sft_run, sft_data, tmp_path):
     run_script("train_sft.py", args(str(tmp_path / "ac"), sft_data, activation_checkpointing=True))
     assert_same_run(sft_run, str(tmp_path / "ac"), atol=0)  # the same ops recomputed: bit for bit
 
 
+@pytest.mark.slow
 def test_resume_refuses_another_base(tmp_path, sft_data):
     folder = str(tmp_path / "base")
     save_pretrained(Transformer(config_from_preset("tiny", vocab_size=261)), folder)
@@ -153,6 +160,7 @@ def test_resume_refuses_another_base(tmp_path, sft_data):
     assert "lora_rank=8 differs from the run being resumed (lora_rank=4)" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arg, message", [
     ("--lora_rank=-1", "lora_rank=-1; it must be at least 0"),
     ("--lora_alpha=0", "lora_alpha=0; it must be a number greater than 0"),
@@ -166,6 +174,7 @@ def test_bad_lora_config_is_one_line_and_writes_nothing(tmp_path, sft_data, arg,
     assert not os.path.exists(os.path.join(tmp_path, "run", "ckpt.pt"))
 
 
+@pytest.mark.slow
 def test_qlora_without_adapters_and_adapters_off_without_lora_are_refused(tmp_path, pairs):
     out = run_script("train_sft.py", args(str(tmp_path / "a"), pairs, lora_rank=0, quantize_base="nf4"), check=False)
     assert "config error: quantize_base='nf4'; a 4-bit base cannot be trained: it needs adapters" in out.stderr
@@ -174,6 +183,7 @@ def test_qlora_without_adapters_and_adapters_off_without_lora_are_refused(tmp_pa
     assert "config error: reference='adapters_off'; 'adapters_off' is the base model under the adapters" in out.stderr
 
 
+@pytest.mark.slow
 def test_qlora_sft_runs_on_cpu_and_learns(tmp_path, sft_data):
     pytest.importorskip("torchao")
     out_dir = str(tmp_path / "qlora")

@@ -79,6 +79,7 @@ def hf_logits(m, ids, lens):
     return torch.cat(out)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3", "qwen3-untied", "smollm3"])
 def test_hf_logits_match_and_round_trip(kind, tmp_path):
     ref = hf_model(kind)
@@ -349,6 +350,7 @@ def check_packed_equals_alone(model, device, dtype, atol):
         torch.testing.assert_close(a, b, atol=atol * 10, rtol=1e-3)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw", [{}, dict(qkv_bias=True, tie_embeddings=True), dict(sliding_window=5)])
 def test_packed_equals_each_sequence_alone_cpu(kw):
     check_packed_equals_alone(tiny(**kw), "cpu", torch.float32, atol=1e-5)
@@ -366,6 +368,7 @@ def test_packed_equals_each_sequence_alone_cuda(backend, monkeypatch):
     check_packed_equals_alone(tiny(sliding_window=9), "cuda", torch.bfloat16, atol=2e-2)
 
 
+@pytest.mark.slow
 def test_changing_a_token_leaves_other_sequences_untouched():
     model = tiny()
     ids, pos, cu, maxlen = packed_inputs(LENS, 100)
@@ -576,6 +579,7 @@ def test_too_long_sequence_is_a_clear_error():
         model(torch.zeros(20, dtype=torch.long))
 
 
+@pytest.mark.slow
 def test_toy_preset_learns_from_scratch():
     torch.manual_seed(0)
     model = Transformer(M.config_from_preset("toy", n_layer=2))
@@ -596,6 +600,7 @@ def test_toy_preset_learns_from_scratch():
     assert losses[-1] < 0.5 * losses[0]
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_gives_the_same_gradients():
     model = tiny()
     ids, pos, cu, maxlen = packed_inputs(LENS, 100)

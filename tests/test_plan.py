@@ -16,6 +16,7 @@ def peak(script, args, gpus=1, fake=True):
     return plan.plan_step(script, args, gpus=gpus, device="cpu", fake=fake)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,extra", [("train_sft.py", []), ("train_sft.py", ["--lora_rank=4"]),
                                           ("train_dpo.py", ["--reference=live"]),
                                           ("train_dpo.py", ["--reference=cached"]),
@@ -35,6 +36,7 @@ def test_plan_equals_the_real_step(script, extra):
         assert fake["by_category"]["reference"] == fake["by_category"]["parameters"]
 
 
+@pytest.mark.slow
 def test_fsdp2_plan_equals_the_real_step_on_two_processes():
     """FSDP2 over 2 ranks: the plan (one process, a fake group) against the same step on a real gloo group of two
     (torchrun), rank 0's tracker: state and collectives exact, activations within 1% or 64 KiB (as above)."""
@@ -56,6 +58,7 @@ def test_fsdp_state_halves_from_8_to_16_gpus():
         assert p16[k] == pytest.approx(p8[k] / 2, rel=0.02), k
 
 
+@pytest.mark.slow
 def test_activations_grow_with_microbatch_tokens_and_checkpointing_cuts_them():
     base = TINY[:-2] + ["--max_len=256", "--batch_size=8"]
     small, large, ckpt = (peak("train_sft.py", base + extra)["by_category"]["activations"] for extra in (
@@ -73,6 +76,7 @@ def test_lora_trains_only_the_adapters():
     assert lora["parameters"] >= full["parameters"]  # the base stays, the adapters come on top
 
 
+@pytest.mark.slow
 def test_llama_8b_plans_in_seconds_with_no_weights():
     t0 = time.perf_counter()
     r = peak("train_sft.py", ["--init_from=scratch", "--preset=llama-3.1-8b", "--batch_size=8", "--max_len=512",
@@ -85,6 +89,7 @@ def test_llama_8b_plans_in_seconds_with_no_weights():
 RL = ["--init_from=scratch", "--preset=tiny", "--prompts_per_step=8", "--k=4", "--max_new_tokens=8"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("extra", [[], ["--loss=online_dpo"], ["--kl_coef=0.1", "--updates_per_batch=2"]])
 def test_rl_plan_equals_the_real_step(extra):
     """train_rl.py, its worst case in both runs: every prompt the data's longest, every reply max_new_tokens long (no
@@ -100,6 +105,7 @@ def test_rl_plan_equals_the_real_step(extra):
     assert (fake["by_category"]["reference"] > 0) == bool(extra)
 
 
+@pytest.mark.slow
 def test_rl_generation_holds_the_kv_cache_of_every_reply():
     """64 prompts x 8 replies of 48 tokens (prompts not on this machine: each as long as a group allows, 1,024 - 8 x
     48 = 640 tokens): the peak is in generation, the cache of all 512 replies live (2 layers x K, V x 2 KV heads x
@@ -153,6 +159,7 @@ def test_the_search_finds_the_largest_budget_that_fits(monkeypatch, shape, start
     assert len(calls) - 1 <= most, calls
 
 
+@pytest.mark.slow
 def test_a_plan_that_does_not_fit_fits_at_the_reported_maximum():
     args = TINY[:-2] + ["--max_len=256", "--batch_size=8", "--microbatch_tokens=1024"]
     first = plan.figures("train_sft.py", args, 1, 0.011, "cpu")
@@ -184,6 +191,7 @@ def test_context_parallel_splits_a_sequence_one_gpu_cannot_hold():
         assert cp["by_category"][k] == pytest.approx(whole["by_category"][k] / 4, rel=0.02), k
 
 
+@pytest.mark.slow
 def test_a_gpu_plan_holds_the_cuda_kernels_attention_memory():
     """A GPU plan swaps the CPU attention (a boolean mask per query piece over its keys: L x L for a CP slice) for
     what the CUDA varlen kernels hold (output, log-sum-exp): its activations grow linearly with the sequence (measured
@@ -253,6 +261,7 @@ def test_a_plan_prints_its_report_not_the_planned_runs_lines(capsys, tmp_path):
     assert (figures["max_microbatch_tokens"], figures["any_larger_fits"]) == (4 * 128, True)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script,args,gpus", [("train_sft.py", TINY[:2] + ["--batch_size=8", "--max_len=128"], 2),
                                               ("train_rl.py", RL[:2] + ["--prompts_per_step=2", "--k=2",
                                                                         "--max_new_tokens=4"], 1)])

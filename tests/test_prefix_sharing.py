@@ -84,6 +84,7 @@ def assert_close_runs(a, b):
         torch.testing.assert_close(ga[k] / scale, gb[k] / scale, atol=1e-5, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_kw", list(MODELS.values()), ids=list(MODELS))
 @pytest.mark.parametrize("case", list(CASES))
 def test_shared_equals_whole_and_alone(monkeypatch, case, model_kw):

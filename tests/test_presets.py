@@ -37,6 +37,7 @@ def test_dpo_presets_fit_their_longest_pair():
             assert cfg["microbatch_tokens"] >= 2 * cfg["max_len"], preset
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("preset", PRESETS, ids=os.path.basename)
 def test_preset_starts_and_steps(tmp_path, preset):
     script = "train_dpo.py" if os.path.basename(preset).startswith("dpo_") else "train_sft.py"

@@ -418,6 +418,7 @@ def test_escaping_special_text_keeps_the_templates_parse(folders):
     assert guarded.render(reasoning) == ours.render(reasoning)
 
 
+@pytest.mark.slow
 def test_train_scripts_take_chat_template_kwargs_and_reasoning_turns(folders, tmp_path):
     """As users run them: train_sft.py with chat_template_kwargs and reasoning_turns='each' tokenizes the records with
     both (its data folder says so); a variable the template never reads stops a script in one line, before any data."""

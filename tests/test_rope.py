@@ -149,6 +149,7 @@ def test_fused_matches_reference_interpreter(tmp_path):
     run_interpreted("kernel", tmp_path)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed")
 def test_compiled_blocks_with_fused_rope_interpreter(tmp_path):
     run_interpreted("compiled", tmp_path)

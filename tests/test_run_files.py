@@ -47,6 +47,7 @@ def files(folder):
 
 # ---- 1. a LoRA run resumes under DDP (the default parallel) and FSDP2, SFT and DPO
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, parallel", [("train_sft.py", "ddp"), ("train_sft.py", "fsdp"), ("train_dpo.py", "ddp")])
 def test_lora_run_cut_under_torchrun_resumes_as_the_straight_run(tmp_path, sft_data, pairs, script, parallel):
     data = sft_data if script == "train_sft.py" else pairs
@@ -74,6 +75,7 @@ def test_fingerprint_sees_other_weights_of_the_same_shapes_not_other_shards(tmp_
     assert fingerprint(str(tmp_path / "norm")) != base and fingerprint(str(tmp_path / "redrawn")) != base
 
 
+@pytest.mark.slow
 def test_lora_resume_refuses_a_base_re_exported_with_other_weights(tmp_path, sft_data):
     folder, out_dir = str(tmp_path / "base"), str(tmp_path / "run")
     torch.manual_seed(0)
@@ -100,6 +102,7 @@ def test_lora_resume_refuses_a_base_re_exported_with_other_weights(tmp_path, sft
     assert "is from an older nanopack, which did not record its base's weights" in line
 
 
+@pytest.mark.slow
 def test_cached_reference_is_computed_again_for_other_weights_in_the_same_folder(tmp_path, pairs):
     folder, out_dir = str(tmp_path / "base"), str(tmp_path / "run")
     cfg = as_args(out_dir=out_dir, data=pairs, init_from=folder, tokenizer="byte", reference="cached", batch_size=8,
@@ -144,6 +147,7 @@ def run_on_full_disk(script, args, file, at=1):
                           timeout=300, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("file", [".distcp", "ckpt.pt.tmp"])
 def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_the_resume_needs_nothing(tmp_path, sft_data, file):
     out_dir = str(tmp_path / "run")
@@ -159,6 +163,7 @@ def test_a_full_disk_during_a_save_keeps_the_last_checkpoint_and_the_resume_need
     assert sorted(os.listdir(out_dir)) == ["ckpt-000004-0", "ckpt.pt", "hf", "metrics.jsonl", "run.lock"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("file, lora_rank", [("model.safetensors", 0), ("config.json", 0),
                                              ("adapter_model.safetensors", 4)])
 def test_a_full_disk_during_the_export_keeps_the_previous_export(tmp_path, sft_data, file, lora_rank):
@@ -223,6 +228,7 @@ DAMAGE = {  # what a resume reads, damaged -> what the one line says
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", DAMAGE)
 def test_a_damaged_run_file_is_one_line_and_changes_nothing(tmp_path, finished, damage):
     out_dir = str(tmp_path / "run")
@@ -236,6 +242,7 @@ def test_a_damaged_run_file_is_one_line_and_changes_nothing(tmp_path, finished, 
     assert files(out_dir) == before
 
 
+@pytest.mark.slow
 def test_a_last_metrics_line_cut_short_is_dropped_and_the_run_resumes(tmp_path, finished):
     out_dir = str(tmp_path / "run")
     shutil.copytree(finished, out_dir)
@@ -249,6 +256,7 @@ def test_a_last_metrics_line_cut_short_is_dropped_and_the_run_resumes(tmp_path, 
     assert all(json.loads(line) for line in open(os.path.join(out_dir, "metrics.jsonl")))
 
 
+@pytest.mark.slow
 def test_resuming_a_context_parallel_run_in_one_process_says_what_to_pass(tmp_path, finished):
     out_dir = str(tmp_path / "run")
     shutil.copytree(finished, out_dir)
@@ -268,6 +276,7 @@ def test_resuming_a_context_parallel_run_in_one_process_says_what_to_pass(tmp_pa
 
 # ---- 7. a full disk while metrics.jsonl is written
 
+@pytest.mark.slow
 def test_a_full_disk_at_start_up_is_one_line_and_leaves_no_empty_file(tmp_path):
     """The write test of out_dir and the log's rewrite on resume: the disk takes the file, then refuses its bytes."""
     import metrics
@@ -288,6 +297,7 @@ def test_a_full_disk_at_start_up_is_one_line_and_leaves_no_empty_file(tmp_path):
     assert json.loads((out_dir / "metrics.jsonl").read_text()) == dict(iter=1, loss=1.0)
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_logging_stops_the_run_after_the_next_step_with_a_checkpoint(tmp_path, sft_data):
     out_dir = str(tmp_path / "run")
     out = run_on_full_disk("train_sft.py", as_args(out_dir=out_dir, data=sft_data, max_iters=8, eval_interval=0,

@@ -34,6 +34,7 @@ def dpo_data(tmp_path_factory):
 metrics, weights = step_metrics, checkpoint_weights
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_sft.py", "train_dpo.py"])
 def test_nan_steps_are_skipped_and_never_saved(tmp_path, sft_data, dpo_data, script):
     """The reported case: a learning rate that blows the weights up, eval_interval not a multiple of log_interval."""
@@ -54,6 +55,7 @@ def test_nan_steps_are_skipped_and_never_saved(tmp_path, sft_data, dpo_data, scr
     assert not os.path.exists(os.path.join(out_dir, "hf"))  # no export from a run that stopped this way
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_resume_with_only_init_from_equals_the_straight_run(tmp_path, sft_data):
     # non-default values the resumed run can only know from the checkpoint: lr, schedule, logging, weighting
     cfg = dict(SFT, data=sft_data, max_iters=60, learning_rate=3e-3, min_lr=1e-4, warmup_iters=5,
@@ -85,6 +87,7 @@ def test_sigterm_saves_and_resume_with_only_init_from_equals_the_straight_run(tm
         assert torch.equal(t, weights(cut)[k]), k
 
 
+@pytest.mark.slow
 def test_resume_restores_the_config_and_names_what_changes(tmp_path, sft_data):
     out_dir = str(tmp_path / "run")
     run_script("train_sft.py", as_args(**dict(SFT, out_dir=out_dir, data=sft_data, learning_rate=1e-3, max_iters=2)))
@@ -99,6 +102,7 @@ def test_resume_restores_the_config_and_names_what_changes(tmp_path, sft_data):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 def test_a_fresh_run_does_not_overwrite_a_run(tmp_path, sft_data):
     out_dir = str(tmp_path / "run")
     run_script("train_sft.py", as_args(**dict(SFT, out_dir=out_dir, data=sft_data, max_iters=2)))
@@ -111,6 +115,7 @@ def test_a_fresh_run_does_not_overwrite_a_run(tmp_path, sft_data):
     assert [m["iter"] for m in metrics(out_dir)] == [1]  # started over: a fresh log
 
 
+@pytest.mark.slow
 def test_an_empty_val_split_says_so(tmp_path):
     path = tmp_path / "chats.jsonl"
     line = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
@@ -201,6 +206,7 @@ if not torch.cuda.is_available():
     BAD.append(("train_sft.py", "--device=cuda", "device='cuda'; this machine has no CUDA GPU"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("script, args, message", BAD)
 def test_bad_settings_are_one_line_before_any_work(tmp_path, script, args, message):
     for place, make in PLACES.items():
@@ -216,6 +222,7 @@ def test_bad_settings_are_one_line_before_any_work(tmp_path, script, args, messa
         assert not os.path.exists(os.path.join(out_dir, "data"))
 
 
+@pytest.mark.slow
 def test_a_moved_run_folder_resumes_with_its_own_data(tmp_path):
     first, moved = str(tmp_path / "first"), str(tmp_path / "moved")
     run_script("train_sft.py", as_args(**dict(SFT, out_dir=first, max_iters=2)))  # built-in data into first/data
@@ -225,6 +232,7 @@ def test_a_moved_run_folder_resumes_with_its_own_data(tmp_path):
     assert [m["iter"] for m in metrics(moved)] == [1, 2, 3]
 
 
+@pytest.mark.slow
 def test_overwrite_removes_the_previous_run_first(tmp_path, sft_data):
     out_dir = str(tmp_path / "run")
     run_script("train_sft.py", as_args(**dict(SFT, out_dir=out_dir, data=sft_data, max_iters=1)))
@@ -249,6 +257,7 @@ def test_resume_drops_log_rows_past_the_checkpoint(tmp_path):
     assert path.read_text() == ""
 
 
+@pytest.mark.slow
 def test_non_finite_steps_in_a_row_are_counted_across_a_resume(tmp_path):
     """The count of bad steps in a row, and of skipped steps, is the run's: saved with the checkpoint, so a run stopped
     and resumed between bad steps still stops at max_bad_steps; a checkpoint without them (older) starts at 0."""

@@ -13,6 +13,7 @@ from hf import SafetensorsFolder, save_pretrained
 from model import Transformer, config_from_preset
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("tied", [False, True], ids=["own head", "tied"])
 def test_sharded_load_and_export_equal_one_process(tmp_path, world_size, tied):
@@ -33,6 +34,7 @@ def test_sharded_load_and_export_equal_one_process(tmp_path, world_size, tied):
         assert torch.equal(a.read(key), b.read(key)), key
 
 
+@pytest.mark.slow
 def test_fsdp_from_a_model_folder_equals_one_process(tmp_path):
     """train_sft.py from a Hugging Face folder: FSDP2 on 2 ranks (sharded load) takes the steps one process takes."""
     from tokenizer import get_tokenizer
@@ -77,6 +79,7 @@ def test_streamed_safetensors_files_read_back(tmp_path, dtype):
             assert tensors[key].dtype == dtype and torch.equal(tensors[key], t[:len(tensors[key])]), key
 
 
+@pytest.mark.slow
 def test_checkpoints_resume_across_world_sizes_and_layouts(tmp_path):
     """A checkpoint is ckpt.pt (small) + a DCP folder of sharded model and optimizer state: a run cut under FSDP2 on
     2 ranks resumes in 1 process, and one cut in 1 process resumes under FSDP2, each taking the straight run's steps."""
@@ -95,6 +98,7 @@ def test_checkpoints_resume_across_world_sizes_and_layouts(tmp_path):
         assert_same_run(straight, out_dir)  # float32, sums in another order across layouts: 1e-5 / 1e-4
 
 
+@pytest.mark.slow
 def test_a_half_written_checkpoint_is_never_the_one_resumed(tmp_path):
     """A kill while a DCP folder is written leaves it half full, but ckpt.pt still names the previous complete one:
     resume uses that, and the next save removes the leftover."""
@@ -112,6 +116,7 @@ def test_a_half_written_checkpoint_is_never_the_one_resumed(tmp_path):
     assert sorted(f for f in os.listdir(out_dir) if f.startswith("ckpt")) == ["ckpt-000004-0", "ckpt.pt"]
 
 
+@pytest.mark.slow
 def test_live_reference_under_fsdp_from_a_folder_equals_the_cached_one(tmp_path):
     """train_dpo.py from a model folder: FSDP2 on 2 ranks with a live reference (built sharded, each rank reading its
     own rows) takes the steps of one process with the cached reference."""

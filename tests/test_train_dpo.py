@@ -76,6 +76,7 @@ def assert_same_run(a, b, exact=False):
         torch.testing.assert_close(pa[k], pb[k], atol=0 if exact else 1e-3, rtol=0, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.slow
 def test_accumulation_equals_one_big_batch(tmp_path, pairs, baseline):
     many = str(tmp_path / "many")
     run(common_args(many, pairs, microbatch_tokens=512))
@@ -86,6 +87,7 @@ def test_accumulation_equals_one_big_batch(tmp_path, pairs, baseline):
     assert len(next(PackedLoader(data, 16, 512, seed=7, group_size=2)).microbatches) >= 4  # really several
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_equal_one(tmp_path, pairs, baseline, parallel):
     # 1024 tokens per micro-batch: each rank packs its share into a few micro-batches, not always as many as the
@@ -105,6 +107,7 @@ def test_prefix_sharing_equals_whole_pairs(tmp_path, pairs, baseline):
     assert steps(whole)[0]["tokens"] > steps(baseline)[0]["tokens"]
 
 
+@pytest.mark.slow
 def test_cached_reference_equals_live(tmp_path, pairs, baseline):
     live = str(tmp_path / "live")
     run(common_args(live, pairs, reference="live"))
@@ -113,6 +116,7 @@ def test_cached_reference_equals_live(tmp_path, pairs, baseline):
     assert_same_run(baseline, live)
 
 
+@pytest.mark.slow
 def test_cache_is_reused_and_keyed_by_the_weights(tmp_path, pairs, baseline):
     out_dir = str(tmp_path / "run")
     shutil.copytree(os.path.join(baseline, "reference"), os.path.join(out_dir, "reference"))
@@ -140,6 +144,7 @@ def bco_baseline(tmp_path_factory, pairs):
     return out_dir
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kw, nproc", [
     (dict(microbatch_tokens=512, parallel="ddp"), 2),  # ranks and, on each, several micro-batches
     (dict(microbatch_tokens=1024, parallel="fsdp"), 2),
@@ -155,6 +160,7 @@ def test_bco_pair_shift_is_one_value_on_every_rank(tmp_path, pairs, bco_baseline
         assert x["reward_shift"] == pytest.approx(y["reward_shift"], rel=1e-5, abs=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["sigmoid", "bco_pair"])
 def test_resume_continues_exactly(tmp_path, pairs, request, loss):
     """bco_pair: its running mean of the rewards is saved with the checkpoint and read back, or the resumed steps
@@ -168,6 +174,7 @@ def test_resume_continues_exactly(tmp_path, pairs, request, loss):
     assert_same_run(straight, cut, exact=True)  # same ops in the same order: bit for bit
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type, label_smoothing, first_loss", [
     ("ipo", 0.0, (0.0 - 1 / (2 * 1.0)) ** 2),  # the policy is the reference at step 1: h = 0
     ("simpo", 0.0, None),  # reference-free: no cache at all
@@ -188,6 +195,7 @@ def test_other_loss_types_run(tmp_path, pairs, loss_type, label_smoothing, first
     assert all(m["loss"] == pytest.approx(m["loss"]) for m in s)  # finite
 
 
+@pytest.mark.slow
 def test_default_flow_from_an_sft_folder(tmp_path):
     """The workshop flow, shortened: a Hugging Face folder as train_sft.py leaves it (here a tiny random model),
     then train_dpo.py on the built-in pairs, printing held-out accuracy before and after and exporting a folder."""
@@ -213,6 +221,7 @@ BAD_LINES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("message", list(BAD_LINES))
 def test_bad_preference_data_is_one_clear_message(tmp_path, message):
     path = tmp_path / "bad.jsonl"
@@ -224,6 +233,7 @@ def test_bad_preference_data_is_one_clear_message(tmp_path, message):
     assert "Traceback" not in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arg, message", [
     ("--init_from=/no/such/folder", "make the default one with `python train_sft.py`"),
     ("--loss_type=kto", "loss_type='kto'; choose one of sigmoid, ipo, hinge, dpo_norm, simpo, apo_zero, robust, "

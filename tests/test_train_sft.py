@@ -63,6 +63,7 @@ def test_accumulation_equals_one_big_batch(tmp_path, sft_data):
     assert len(next(PackedLoader(data, 16, 256, seed=7)).microbatches) >= 4
 
 
+@pytest.mark.slow
 def test_sequence_loss_weighting_is_exact_under_accumulation(tmp_path, sft_data):
     one, many = str(tmp_path / "one"), str(tmp_path / "many")
     run(common_args(one, sft_data, microbatch_tokens=4096, loss_weighting="sequence"))
@@ -104,6 +105,7 @@ def test_resume_continues_exactly(tmp_path, sft_data):
     assert_same_run(straight, cut, param_atol=0)  # same ops in the same order: bit for bit
 
 
+@pytest.mark.slow
 def test_default_run_learns_and_exports(tmp_path):
     """The default command, shortened: the toy model on the built-in data; loss falls clearly, and the
     exported Hugging Face folder loads in transformers with the same logits."""
@@ -124,6 +126,7 @@ def test_default_run_learns_and_exports(tmp_path):
         torch.testing.assert_close(ours(ids), hf(ids[None]).logits[0], atol=1e-4, rtol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arg, message", [
     ("--learning_rat=0.1", "unknown config key 'learning_rat'"),
     ("--batch_size=lots", "batch_size='lots' is of type str, but batch_size must be of type int"),

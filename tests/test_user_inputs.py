@@ -82,6 +82,7 @@ def test_generate_stops_each_reply_where_the_model_has_no_positions_left(kv_cach
         generate(model, [[1] * 12], 5)
 
 
+@pytest.mark.slow
 def test_sample_keeps_a_reply_cut_at_max_seq_len(small_model):
     from hf import from_pretrained
     out = run_cli(["sample.py", f"--model={small_model}", "--prompt=What is 2+2?", "--max_new_tokens=100",
@@ -94,6 +95,7 @@ def test_sample_keeps_a_reply_cut_at_max_seq_len(small_model):
     assert out.stdout == f"{text}\n(cut: prompt and reply reached the model's max_seq_len={POSITIONS} tokens)\n---\n"
 
 
+@pytest.mark.slow
 def test_a_chat_that_outgrows_the_model_drops_its_oldest_turns(small_model):
     typed = ["hi", "What is 2+2 and more?", "again", "this message alone is longer than forty tokens, far longer", "ok"]
     out = run_cli(["sample.py", f"--model={small_model}", "--max_new_tokens=8", "--device=cpu"], "\n".join(typed))
@@ -105,12 +107,14 @@ def test_a_chat_that_outgrows_the_model_drops_its_oldest_turns(small_model):
     assert all(s.strip() for s in said[:3] + said[4:5])  # every message that fits got a reply
 
 
+@pytest.mark.slow
 def test_a_prompt_longer_than_the_model_is_one_line(small_model):
     out = run_cli(["sample.py", f"--model={small_model}", "--prompt=" + "x" * 50, "--device=cpu"])
     one_line(out, f"reads at most max_seq_len={POSITIONS}", "shorten the prompt")
 
 
 # ---- 12: a DPO line must carry its prompt -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_preference_pair_without_its_prompt_is_one_line(tmp_path):
     path = write_jsonl(tmp_path / "prefs.jsonl", [{"instruction": "What is 2+2?", "chosen": [
         {"role": "assistant", "content": "4"}], "rejected": [{"role": "assistant", "content": "5"}]}])
@@ -129,6 +133,7 @@ RL = dict(init_from="scratch", preset="tiny", reward="tests.rl_rewards:distinct_
           max_new_tokens=4, max_iters=1, eval_examples=2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["data", "val_data"])
 def test_rl_on_a_file_with_no_prompts_is_one_line(tmp_path, which):
     empty, prompts = tmp_path / "empty.jsonl", write_jsonl(tmp_path / "p.jsonl", [{"prompt": "Say hi"}])
@@ -139,6 +144,7 @@ def test_rl_on_a_file_with_no_prompts_is_one_line(tmp_path, which):
     assert nothing_of_a_run(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_rl_prompts_too_long_for_the_model_are_one_line(tmp_path):
     prompts = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "x" * 3000}, {"prompt": "y" * 3000}])
     out = run_script("train_rl.py", as_args(**RL, out_dir=tmp_path / "run", data=prompts), check=False)
@@ -147,6 +153,7 @@ def test_rl_prompts_too_long_for_the_model_are_one_line(tmp_path):
 
 
 # ---- 15: a val folder with several splits; one split in two formats -----------------------------------------------
+@pytest.mark.slow
 def test_val_split_names_a_split_of_a_val_folder(tmp_path):
     train = write_jsonl(tmp_path / "train.jsonl", chats(10))
     (tmp_path / "val").mkdir()
@@ -174,6 +181,7 @@ def test_val_split_names_a_split_of_a_val_folder(tmp_path):
                         check=False), "config error: val_split='test'; it picks a split of a val_data folder")
 
 
+@pytest.mark.slow
 def test_one_split_in_two_formats_is_one_line(tmp_path):
     pa = pytest.importorskip("pyarrow")
     import pyarrow.parquet as pq
@@ -191,6 +199,7 @@ def test_one_split_in_two_formats_is_one_line(tmp_path):
 
 
 # ---- 16: bounds ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_lora_rank_is_at_most_the_smallest_adapted_dimension(tmp_path):
     """tiny: d_model 64, k_proj and v_proj 64 -> 32 (GQA): rank 32 is the most."""
     model = Transformer(config_from_preset("tiny"))
@@ -206,6 +215,7 @@ def test_lora_rank_is_at_most_the_smallest_adapted_dimension(tmp_path):
     assert nothing_of_a_run(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_qlora_with_nothing_in_nf4_is_an_error(tmp_path):
     pytest.importorskip("torchao")
     model = lora.add_adapters(Transformer(config_from_preset("tiny")), 8, 16.0)  # no weight holds 64 x 256 values
@@ -221,6 +231,7 @@ def test_qlora_with_nothing_in_nf4_is_an_error(tmp_path):
     assert nothing_of_a_run(tmp_path / "run")
 
 
+@pytest.mark.slow
 def test_rl_reports_the_reward_functions_time_apart(tmp_path):
     """tests.rl_rewards:slow sleeps 0.25 s a call: 4 calls a step are >= 1 s of reward_ms, none of it in gen_ms."""
     out_dir = str(tmp_path / "run")
