@@ -3,11 +3,12 @@ Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line pe
 
     python plot.py out/sft out/dpo                 # writes runs.png
     python plot.py out/dpo --out=dpo.png
+    python plot.py out/grpo out/dapo --overlay     # runs from the same start, each drawn from step 0
 
 Panels, those some run logged: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in
 task: greedy replies in the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected
 responses (if logps_chosen falls with logps_rejected, the policy is displacing likelihood, not preferring); for RL runs
-the mean reward of each step's sampled replies. Each run's steps follow the last's.
+the mean reward of each step's sampled replies. Each run's steps follow the last's (--overlay: all start at 0).
 """
 
 import json
@@ -47,7 +48,7 @@ def main(argv):
     panels = [p for p in PANELS if any(m.get(key) is not None for rows in runs.values() for m in rows
                                        for key, _ in p[1])]  # only what some run logged
     fig, (axes,) = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)  # one row
-    offset = 0  # each run continues where the previous one ended
+    offset = 0  # each run continues where the previous one ended, unless --overlay
     for run_dir, rows in runs.items():
         name = os.path.basename(os.path.normpath(run_dir))
         for ax, (title, series) in zip(axes, panels):
@@ -59,7 +60,7 @@ def main(argv):
                             else None, markersize=3, label=name + suffix)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("optimizer step")
-        offset += max((m["iter"] for m in rows), default=0)
+        offset += 0 if "--overlay" in argv else max((m["iter"] for m in rows), default=0)
     for ax, (title, _) in zip(axes, panels):
         if "accuracy" in title or "preferred" in title:
             ax.set_ylim(0, 100)
