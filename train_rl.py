@@ -57,7 +57,7 @@ prompts_per_step = 32  # prompts per step, all ranks together
 temperature = 1.0
 top_p = 1.0
 max_new_tokens = 20  # a reply that has not stopped by then is cut here (truncated)
-loss = "dapo"  # 'online_dpo', or a paper's setting of the GRPO family's keys below (--help prints each preset):
+loss = "dapo"  # 'online_dpo', or a paper's setting of the GRPO family's keys below (each printed at --help's end):
 # 'grpo' (DeepSeekMath), 'dapo' (DAPO; TRL's default), 'dr_grpo' (Dr. GRPO), 'gspo' (GSPO), 'cispo' (MiniMax-M1)
 loss_aggregation = "token_mean"  # 'reply_mean': each reply's mean over its tokens, then the mean over the step's
 # replies (TRL loss_type='grpo'); 'token_mean': over the step's reply tokens (TRL 'dapo'); 'constant': the sum over
@@ -277,7 +277,8 @@ def training_batches(prompts, replies, rewards):
         groups, size = [replies[g] for g in keep], k
         masks = [[np.ones(len(r)) * (1 - c) for r, c in zip(replies[g], cut[g])] for g in keep]
         batch_std = math.sqrt(max(r2_sum - r_sum ** 2 / max(n, 1), 0) / max(n - 1, 1))  # TRL's: unbiased, over the step
-        advantages = group_advantages(torch.from_numpy(rewards), scale_rewards, batch_std)[keep].flatten().float()
+        kept = torch.from_numpy(rewards[keep])  # (G', k); G' = 0: no group, no std to take
+        advantages = (group_advantages(kept, scale_rewards, batch_std) if keep else kept).flatten().float()
         reply_tokens = torch.from_numpy(lengths[keep].flatten()).float()
         weights = loss_weights(reply_tokens, loss_aggregation, max(normaliser, 1))
         per_reply = [x.to(device) for x in (advantages, weights, reply_tokens)]

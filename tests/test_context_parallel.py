@@ -222,8 +222,8 @@ def test_dpo_resumes_from_context_parallel_into_one_process(tmp_path, pairs):
 @pytest.mark.parametrize("loss, parallel", [("grpo", "ddp"), ("online_dpo", "fsdp")])
 def test_rl_context_parallel_equals_one_process(tmp_path, loss, parallel):
     """A group (prompt once, k replies) longer than microbatch_tokens is refused naming --context_parallel; with it,
-    two ranks (generating the same replies, training on slices) take one process's steps: GRPO with a second update
-    and a KL term to a live reference; online DPO (best and worst reply, their prompt shared) cut at iter 2 and
+    two ranks (generating the same replies, training on slices) take one process's steps: GRPO's reply mean with a
+    ratio per reply (its sums over the group), a second update and a KL term to a live reference; online DPO (best and worst reply, their prompt shared) cut at iter 2 and
     resumed in one process."""
     kw = dict(loss=loss) if loss == "grpo" else dict(loss=loss, kl_coef=0.0, updates_per_batch=1, beta=1.0)
     if loss == "grpo":
