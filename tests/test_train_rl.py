@@ -81,25 +81,28 @@ def test_policy_losses_and_online_dpo_equal_each_reply_alone(monkeypatch, k, sha
         rewards[:, 1] = rewards[:, 0]
     advantages = group_advantages(rewards).flatten().float()
     groups = [2, 0, 1]
-    alone_old = [x.detach() + 0.3 * torch.randn_like(x) for x in token_logps_alone(net, data)]  # the sampler's
+    alone_logps = token_logps_alone(net, data)  # forward once: each objective backpropagates through it (retained)
+    alone_old = [x.detach() + 0.3 * torch.randn_like(x) for x in alone_logps]  # the sampler's
     lengths = torch.tensor([float(len(x)) for x in alone_old])  # trained tokens: a lone reply's first is none
     alone_ref = [x.detach() + 0.1 * torch.randn_like(x) for x in alone_old]
     normaliser = dict(token_mean=lengths.sum(), reply_mean=len(lengths), constant=len(lengths) * MAX_NEW)
+    batches = {name: make_batch(data, groups, group_size=k, prefix=prefix)
+               for name, prefix in (("shared", shared_prefixes(data, k)), ("whole", None))}
+    packed_logps = {name: net(**mb.inputs(), logprobs=True) for name, mb in batches.items()}
 
     def alone(objective):
         total = sum(reply_loss(objective, lp, old, ref, advantages[i])
-                    for i, (lp, old, ref) in enumerate(zip(token_logps_alone(net, data), alone_old, alone_ref)))
+                    for i, (lp, old, ref) in enumerate(zip(alone_logps, alone_old, alone_ref)))
         return total / normaliser[OBJECTIVES[objective][0]]
 
-    def packed(objective, prefix):
+    def packed(objective, name):
         aggregation, level, mode = OBJECTIVES[objective]
-        mb = make_batch(data, groups, group_size=k, prefix=prefix)
+        mb = batches[name]
         seqs = (mb.units[:, None] * k + torch.arange(k)).flatten()  # the batch's sequences, in batch order
         old, ref = torch.cat([alone_old[s] for s in seqs]), torch.cat([alone_ref[s] for s in seqs])
         weights = loss_weights(lengths, aggregation, normaliser[aggregation])
-        return policy_loss(net(**mb.inputs(), logprobs=True), old, mb.seq_ids, advantages[seqs], weights[seqs],
-                           lengths[seqs], CLIP_LOW, CLIP_HIGH, mode, mb.sequence_sums if level == "sequence" else None,
-                           ref, KL)[0]
+        return policy_loss(packed_logps[name], old, mb.seq_ids, advantages[seqs], weights[seqs], lengths[seqs],
+                           CLIP_LOW, CLIP_HIGH, mode, mb.sequence_sums if level == "sequence" else None, ref, KL)[0]
 
     best, worst = rewards.argmax(1), rewards.argmin(1)
     pair_ref = torch.randn(3, 2)
@@ -112,18 +115,17 @@ def test_policy_losses_and_online_dpo_equal_each_reply_alone(monkeypatch, k, sha
 
     def grads(loss):
         net.zero_grad()
-        loss.backward()
+        loss.backward(retain_graph=True)
         return loss.detach(), {name: p.grad.clone() for name, p in net.named_parameters()}
 
-    assert any((torch.exp(a - b) - 1).abs().max() > 0.2 for a, b in zip(token_logps_alone(net, data), alone_old))
+    assert any((torch.exp(a - b) - 1).abs().max() > 0.2 for a, b in zip(alone_logps, alone_old))
+    alone_sums = torch.stack([lp.sum() for lp in alone_logps]).view(3, k)
     for objective in OBJECTIVES:
         expected = grads(alone(objective))
-        for prefix in (shared_prefixes(data, k), None):
-            assert_close_runs(grads(packed(objective, prefix)), expected)
-    for prefix in (shared_prefixes(data, k), None):
-        mb = make_batch(data, groups, group_size=k, prefix=prefix)
-        sums = mb.group_sums(net(**mb.inputs(), logprobs=True), k)[torch.tensor(groups).argsort()]
-        alone_sums = torch.stack([lp.sum() for lp in token_logps_alone(net, data)]).view(3, k)
+        for name in batches:
+            assert_close_runs(grads(packed(objective, name)), expected)
+    for name, mb in batches.items():
+        sums = mb.group_sums(packed_logps[name], k)[torch.tensor(groups).argsort()]
         assert_close_runs(grads(online_dpo(sums)), grads(online_dpo(alone_sums)))
 
 
