@@ -67,12 +67,13 @@ def _parse(text):
         return text  # a bare word is a string: --init_from=resume
 
 
-def configure(config, argv=None, finetune=None, rules=None):
+def configure(config, argv=None, finetune=None, rules=None, presets=None):
     """Update `config` (a script's globals()) in place from argv (and a resumed run's saved config) -> the checked
-    values. finetune: values for keys argv does not set when starting from a pretrained model."""
+    values. finetune: values for keys argv does not set when starting from a pretrained model; presets: {key: {value:
+    {key: default}}}, the defaults a key's value names (train_rl.py's loss) for keys argv does not set."""
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
-        print_help(config)
+        print_help(config, presets)
         raise SystemExit(0)
     given = set()  # keys set by argv: a config file or --key=value
     try:
@@ -84,10 +85,11 @@ def configure(config, argv=None, finetune=None, rules=None):
         config.update(folders)
         if pins:
             values["hub"] = pins
-        if values.get("init_from") != "resume" and finetune and pretrained(values.get("init_from", "")):
-            chosen = {k: v for k, v in finetune.items() if k not in given}
-            for key, value in chosen.items():
-                values[key] = config[key] = value
+        if values.get("init_from") != "resume":
+            for key, table in (presets or {}).items():
+                set_defaults(config, values, given, table.get(values[key], {}))
+            chosen = set_defaults(config, values, given, finetune) if finetune and pretrained(
+                values.get("init_from", "")) else {}
             if chosen and is_master():
                 print(f"fine-tuning a pretrained model: {', '.join(f'{k}={v}' for k, v in chosen.items())} "
                       f"(defaults for real models; set them to change)", flush=True)
@@ -99,6 +101,14 @@ def configure(config, argv=None, finetune=None, rules=None):
     except SystemExit as e:  # a damaged ckpt.pt: its one line
         fail(e.code)
     return values
+
+
+def set_defaults(config, values, given, defaults):
+    """Keys argv did not set take `defaults` -> those taken."""
+    chosen = {k: v for k, v in defaults.items() if k not in given}
+    for key, value in chosen.items():
+        values[key] = config[key] = value
+    return chosen
 
 
 def check_rule(c, key, rule):
@@ -122,13 +132,14 @@ def check_rule(c, key, rule):
     raise ConfigError(f"{key}={value!r}; it must be {need}")
 
 
-def print_help(config):
-    """The script's config block as written, each key with its value now."""
+def print_help(config, presets=None):
+    """The script's config block as written, each key with its value now, then the presets' values."""
     path = config.get("__file__", sys.argv[0])
     lines = open(path).read().splitlines()
     keys = {stmt.lineno: stmt.targets[0].id for node in ast.parse("\n".join(lines)).body
             for stmt in (node.body if isinstance(node, ast.If) else [node])  # sample.py keeps its keys under __main__
-            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id in config}
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id in config
+            and is_key(stmt.targets[0].id, config[stmt.targets[0].id])}
     first = min(keys)
     while lines[first - 2].strip().startswith("#"):  # the comments above the first key
         first -= 1
@@ -139,6 +150,10 @@ def print_help(config):
             print(f"  --{keys[n]}={config[keys[n]]!r}  {line[line.find('#'):] if '#' in line else ''}".rstrip())
         elif line.strip().startswith("#") and "-----" not in line:
             print(f"  {line.strip()}")
+    for key, table in (presets or {}).items():
+        print(f"Presets of --{key} (a key set explicitly wins):")
+        for value, defaults in table.items():
+            print(f"    {value}: " + " ".join(f"--{k}={v!r}" for k, v in defaults.items()))
 
 
 def pretrained(init_from):
@@ -169,10 +184,14 @@ def restore_saved(config, values, given):
     return values
 
 
+def is_key(name, value):
+    """A config key: a global of the script of a plain type; a _private or CONSTANT name is none."""
+    return not (name.startswith("_") or name.isupper()) and isinstance(value, (int, float, bool, str, dict, type(None)))
+
+
 def apply_overrides(config, argv, given=None):
     given = set() if given is None else given
-    keys = {k: v for k, v in config.items()
-            if not k.startswith("_") and isinstance(v, (int, float, bool, str, dict, type(None)))}
+    keys = {k: v for k, v in config.items() if is_key(k, v)}
     for arg in argv:
         if arg.startswith("--"):
             if "=" not in arg:

@@ -213,14 +213,17 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         return [(ids, [dict(role="user", content="")], {}, source)] * (n or c["prompts_per_step"])
 
     def generate(model, prompts, max_new_tokens, stop_ids=(), *args, **kwargs):  # RL: every reply max_new_tokens
-        # long, one draw for all rows; a prompt's replies differ from their first token (only the prompt is shared)
+        # long, one draw for all rows; a prompt's replies differ from their first token (only the prompt is shared),
+        # each stopped by its last token (a truncated reply may leave the loss: mask_truncated)
         decoding = Decoding(model, max_new_tokens if fake else 0)  # the real run decodes every step: to compare
         with ExitStack() as stack:
             stack.enter_context(mock.patch.object(generation, "sample", decoding.sample))
             if state["tracker"] is not None:
                 stack.enter_context(mock.patch.object(state["tracker"], "decoding", decoding))
             replies = real["generate"](decoding, prompts, max_new_tokens, (), *args, **{**kwargs, "generator": None})
-        return [[1 + i % kwargs.get("num_samples", 1)] + [1] * (len(r) - 1) for i, r in enumerate(replies)]
+        stop = list(stop_ids)[:1] or [1]
+        return [[1 + i % kwargs.get("num_samples", 1)] + [1] * (len(r) - 2) + stop[:len(r) - 1]
+                for i, r in enumerate(replies)]
 
     def rank_bins(units, lengths, token_budget, rank=0, world_size=1):  # a rank's first two bins stand for the rest
         bins = real["rank_bins"](units, lengths, token_budget, rank, world_size)

@@ -3,8 +3,9 @@ The losses on log-probs, pure functions of tensors (tests/test_dpo_loss.py, test
   dpo_loss          the DPO family: sigmoid (DPO), ipo, hinge, dpo_norm, simpo, apo_zero, robust, bco_pair
                     (train_dpo.py; online DPO in train_rl.py), tested against TRL (docs/dpo.md: which setting)
   preference_loss   the step's loss from dpo_loss's: the mean over pairs, plus an SFT term (sft_weight)
-  group_advantages  GRPO's group-normalised rewards of k replies per prompt
-  policy_loss       GRPO's per-token clipped policy loss (+ a KL estimate to a reference)
+  group_advantages  the GRPO family's advantages: rewards less their group's mean, scaled by a std (or not)
+  policy_loss       the GRPO family's loss on a micro-batch: PPO's or CISPO's clip of a ratio per token or per reply
+                    (GSPO), each token weighted by loss_weights (the step's aggregation), + a KL estimate to a reference
   pair_stats        named per-pair statistics (rewards, reward accuracy, log-probs), summed, for exact means
 A pair p is sequences 2p (chosen) and 2p+1 (rejected); mb.pair_sums(per-target values) -> (chosen (P,), rejected (P,)).
 """
@@ -50,22 +51,64 @@ def preference_loss(losses, policy_chosen, num_pairs, num_chosen_targets, sft_we
     return losses.sum() / num_pairs - sft_weight * policy_chosen.sum() / num_chosen_targets
 
 
-def group_advantages(rewards):
-    """(G, k) rewards of k replies per prompt -> GRPO's advantages: each reward less its group's mean, over the group's
-    standard deviation (0 where all k are equal: such a group teaches nothing)."""
+def group_advantages(rewards, scale="group", batch_std=None):
+    """(G, k) rewards of k replies per prompt -> advantages: each reward less its group's mean, over the group's
+    standard deviation (scale='group'), the step's (batch_std: all its rewards, all ranks) or none, + 1e-4 (TRL's)."""
     centred = rewards - rewards.mean(1, keepdim=True)
-    return centred / rewards.std(1, keepdim=True).clamp(min=1e-6)
+    if scale == "none":
+        return centred
+    return centred / ((rewards.std(1, keepdim=True) if scale == "group" else batch_std) + 1e-4)
 
 
-def policy_loss(logps, old_logps, advantages, clip_eps, ref_logps=None, kl_coef=0.0):
-    """(K,) PPO's clipped objective, ratios to the sampling policy (old_logps; logps.detach() on a batch's first
-    update: only the gradient counts), plus kl_coef times the k3 estimate of KL(policy || reference)."""
-    ratio = torch.exp(logps - old_logps)
-    losses = -torch.min(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
+def clipped_objective(ratio, advantages, clip_low, clip_high, clip_mode, logps=None):
+    """Per token or per reply: PPO's pessimistic -min(r A, clip(r) A) (no gradient where the clip bites), or CISPO's
+    -sg(clip(r)) A log p (every token's gradient kept, its weight clipped), clip(r) = clamp(r, 1 - low, 1 + high)."""
+    clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
+    if clip_mode == "cispo":
+        return -clipped.detach() * advantages * logps
+    return -torch.min(ratio * advantages, clipped * advantages)
+
+
+def clip_counts(ratio, advantages, clip_low, clip_high, clip_mode):
+    """-> (tokens clipped low, high): where PPO's clip takes the gradient away, or CISPO's clips the weight."""
+    low, high = ratio < 1 - clip_low, ratio > 1 + clip_high
+    if clip_mode == "ppo":
+        low, high = low & (advantages < 0), high & (advantages > 0)
+    return low.float().sum(), high.float().sum()
+
+
+def policy_loss(logps, old_logps, seq_ids, advantages, weights, lengths, clip_low, clip_high, clip_mode="ppo",
+                reply_sums=None, ref_logps=None, kl_coef=0.0):
+    """The GRPO family on a micro-batch's K trained tokens -> (its share of the step loss, (ratio sum, tokens clipped
+    low, high)). Per reply of the batch (S,): advantages, weights (each of its tokens' share of the step loss),
+    lengths (its trained tokens); seq_ids (K,) each token's reply. Ratios to the sampling policy (old_logps;
+    logps.detach() on a batch's first update), one per token, or with reply_sums (values per token -> (S,) sums) one
+    per reply, exp of its tokens' mean log-ratio (GSPO); plus kl_coef x the k3 estimate of KL(policy || reference)."""
+    log_ratio = logps - old_logps
+    a, w = advantages[seq_ids], weights[seq_ids]
+    if reply_sums is None:
+        ratio = torch.exp(log_ratio)
+        losses, per_reply = clipped_objective(ratio, a, clip_low, clip_high, clip_mode, logps), 0.0
+    else:
+        reply_ratio = torch.exp(reply_sums(log_ratio) / lengths.clamp(min=1))  # (S,)
+        ratio = reply_ratio[seq_ids]
+        if clip_mode == "cispo":  # the weight carries no gradient: a per-token loss
+            losses, per_reply = clipped_objective(ratio, a, clip_low, clip_high, clip_mode, logps), 0.0
+        else:  # the value from the tokens (a CP slice holds some), the gradient from whole replies (summed over CP)
+            reply_losses = clipped_objective(reply_ratio, advantages, clip_low, clip_high, clip_mode)
+            per_reply = (weights * lengths * reply_losses).sum()
+            losses, per_reply = reply_losses.detach()[seq_ids], per_reply - per_reply.detach()
     if kl_coef:
-        log_ratio = ref_logps - logps
-        losses = losses + kl_coef * (torch.exp(log_ratio) - log_ratio - 1)
-    return losses
+        log_ref = ref_logps - logps
+        losses = losses + kl_coef * (torch.exp(log_ref) - log_ref - 1)
+    stats = torch.stack([ratio.detach().sum(), *clip_counts(ratio.detach(), a, clip_low, clip_high, clip_mode)])
+    return (w * losses).sum() + per_reply, stats
+
+
+def loss_weights(lengths, aggregation, normaliser):
+    """(R,) each reply token's share of the step loss: 1 / (its reply's tokens x normaliser) for 'reply_mean' (the
+    normaliser counts replies), 1 / normaliser for 'token_mean' (tokens) and 'constant' (replies x max_new_tokens)."""
+    return (1 / lengths.clamp(min=1) if aggregation == "reply_mean" else torch.ones_like(lengths)) / normaliser
 
 
 def pair_stats(losses, rewards_chosen, rewards_rejected, policy_chosen, policy_rejected):

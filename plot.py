@@ -3,11 +3,12 @@ Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line pe
 
     python plot.py out/sft out/dpo                 # writes runs.png
     python plot.py out/dpo/metrics.jsonl --out=dpo.png     # a run's out_dir, or its metrics.jsonl
+    python plot.py out/grpo out/dapo --overlay     # runs from the same start, each drawn from step 0
 
 Panels, those some run logged: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in
 task: greedy replies in the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected
 responses (if logps_chosen falls with logps_rejected, the policy is displacing likelihood, not preferring); for RL runs
-the mean reward of each step's sampled replies. Each run's steps follow the last's.
+the mean reward of each step's sampled replies. Each run's steps follow the last's (--overlay: all start at 0).
 """
 
 import json
@@ -55,8 +56,8 @@ def main(argv):
         print(__doc__.strip())
         return
     for a in argv:
-        if a.startswith("-") and not a.startswith("--out="):
-            sys.exit(f"plot.py: unknown option {a!r}; the one option is --out=FILE.png (--help)")
+        if a.startswith("-") and not a.startswith("--out=") and a != "--overlay":
+            sys.exit(f"plot.py: unknown option {a!r}; the options are --out=FILE.png and --overlay (--help)")
     out = next((a[len("--out="):] for a in argv if a.startswith("--out=")), "runs.png")
     runs = [a for a in argv if not a.startswith("-")]
     if not runs:
@@ -86,7 +87,7 @@ def main(argv):
     if not panels:
         sys.exit(f"plot.py: nothing to plot: no run logged any of {', '.join(k for _, s in PANELS for k, _ in s)}")
     fig, (axes,) = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)  # one row
-    offset = 0  # each run continues where the previous one ended
+    offset = 0  # each run continues where the previous one ended, unless --overlay
     for path, rows in runs.items():
         name = os.path.basename(os.path.dirname(os.path.abspath(path)))
         for ax, (title, series) in zip(axes, panels):
@@ -98,7 +99,7 @@ def main(argv):
                             else None, markersize=3, label=name + suffix)
             ax.set_title(title, fontsize=10)
             ax.set_xlabel("optimizer step")
-        offset += max((m["iter"] for m in rows), default=0)
+        offset += 0 if "--overlay" in argv else max((m["iter"] for m in rows), default=0)
     for ax, (title, _) in zip(axes, panels):
         if "accuracy" in title or "preferred" in title:
             ax.set_ylim(0, 100)

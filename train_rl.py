@@ -8,16 +8,19 @@ prompts, loop (sample -> reward -> loss -> step), log, save.
 
 Each step samples k replies to each of `prompts_per_step` prompts (all ranks together) with the KV cache, every
 prompt prefilled once, scores them with `reward`, and trains on them with each prompt computed once for its group:
-prompt | reply 1 | ... | reply k. loss='grpo': each reply's group-normalised advantage on each of its tokens, over the
-step's reply tokens, PPO's clipped ratio when a batch makes more than one update, and kl_coef x a KL estimate to the
-initial model; 'online_dpo': each group's best and worst reply become a DPO pair, the reference computed on the fly.
-Replies are drawn from generators seeded by (seed, step, prompt, reply): a step's samples depend neither on the world
-size nor on a resume. Data: the built-in task's hard split, or records {"messages": [prompt turns]} or {"prompt": str
-| [messages]} (read as data/prepare.py reads them); the record's other fields go to the reward functions (rewards.py),
-named 'module:function': reward(prompt messages, reply text, **fields) -> float (e.g. in a my_rewards.py beside you).
+prompt | reply 1 | ... | reply k. The GRPO family (loss='grpo', 'dapo', 'dr_grpo', 'gspo', 'cispo': presets of the
+keys below it, as TRL's GRPOTrainer computes them): each reply's advantage on each of its tokens, a clipped ratio to
+the sampling policy (from a batch's second update on), and kl_coef x a KL estimate to the initial model, aggregated
+over the whole step exactly (counts over all ranks first); 'online_dpo': each group's best and worst reply become a
+DPO pair, the reference computed on the fly. Replies are drawn from generators seeded by (seed, position of the prompt
+in the stream, reply): a step's samples depend neither on the world size nor on a resume. Data: the built-in task's
+hard split, or records {"messages": [prompt turns]} or {"prompt": str | [messages]} (read as data/prepare.py reads
+them); the record's other fields go to the reward functions (rewards.py), named 'module:function': reward(prompt
+messages, reply text, **fields) -> float (e.g. in a my_rewards.py beside you).
 """
 
 import math
+import sys
 import time
 from functools import lru_cache
 
@@ -29,7 +32,7 @@ from checkpoint import export_hf, save_checkpoint
 from configurator import configure
 from data.dataset import read_prompts
 from generate import generate
-from losses import dpo_loss, group_advantages, policy_loss
+from losses import dpo_loss, group_advantages, loss_weights, policy_loss
 from metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import group_data, make_batch, rank_bins, shared_prefixes, unit_lengths
 from parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
@@ -53,11 +56,23 @@ k = 8  # replies sampled per prompt (a group)
 prompts_per_step = 32  # prompts per step, all ranks together
 temperature = 1.0
 top_p = 1.0
-max_new_tokens = 20  # a reply that has not stopped by then is cut here (and trained as it is)
-loss = "grpo"  # 'grpo' or 'online_dpo'
+max_new_tokens = 20  # a reply that has not stopped by then is cut here (truncated)
+loss = "dapo"  # 'online_dpo', or a paper's setting of the GRPO family's keys below (each printed at --help's end):
+# 'grpo' (DeepSeekMath), 'dapo' (DAPO; TRL's default), 'dr_grpo' (Dr. GRPO), 'gspo' (GSPO), 'cispo' (MiniMax-M1)
+loss_aggregation = "token_mean"  # 'reply_mean': each reply's mean over its tokens, then the mean over the step's
+# replies (TRL loss_type='grpo'); 'token_mean': over the step's reply tokens (TRL 'dapo'); 'constant': the sum over
+# (the step's replies x max_new_tokens) (TRL 'dr_grpo')
+scale_rewards = "group"  # advantage: reward less its group's mean, over the std of its 'group', the step's ('batch')
+# rewards, or 'none'
+clip_eps = 0.2  # the ratio clipped to [1 - clip_eps, 1 + clip_eps_high], from a batch's second update on
+clip_eps_high = 0.28  # DAPO's clip-higher (TRL epsilon_high; for clip_mode='cispo' TRL's is 1 + this)
+importance_sampling_level = "token"  # 'token': a ratio per token; 'sequence': one per reply, exp of its mean (GSPO)
+clip_mode = "ppo"  # 'ppo': -min(r A, clip(r) A); 'cispo': -sg(clip(r)) A log p, every token keeps its gradient
+mask_truncated = True  # replies that have not stopped by max_new_tokens leave the loss (DAPO's overlong filtering)
+dynamic_sampling = True  # DAPO: groups whose k rewards are all equal leave, more prompts are sampled to fill the step
+max_extra_rounds = 3  # dynamic_sampling: rounds of prompts_per_step more prompts a step may sample
 beta = 0.1  # online_dpo: DPO's inverse temperature
-kl_coef = 0.0  # grpo: weight of the KL estimate to the initial model (0: no reference model at all)
-clip_eps = 0.2  # grpo: PPO's ratio clipping, active from a batch's second update on
+kl_coef = 0.0  # the GRPO family: weight of the k3 estimate of KL to the initial model (0: no reference model at all)
 updates_per_batch = 1  # optimizer steps taken on each step's samples
 prefix_sharing = True  # each prompt computed once for its group, not k times: same numbers
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole groups)
@@ -88,14 +103,31 @@ dist_timeout = 300
 wandb_log = False
 wandb_project = "nanopack"
 wandb_run_name = "rl"
+# `loss` names the values of the keys above it not set explicitly (TRL 1.16's settings, the papers' clip ranges)
+GRPO = dict(loss_aggregation="reply_mean", scale_rewards="group", clip_eps=0.2, clip_eps_high=0.2,
+            importance_sampling_level="token", clip_mode="ppo", mask_truncated=False, dynamic_sampling=False)
+PRESETS = dict(
+    grpo=GRPO,
+    dapo=dict(GRPO, loss_aggregation="token_mean", clip_eps_high=0.28, mask_truncated=True, dynamic_sampling=True),
+    dr_grpo=dict(GRPO, loss_aggregation="constant", scale_rewards="none"),
+    gspo=dict(GRPO, clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level="sequence"),
+    cispo=dict(GRPO, loss_aggregation="token_mean", clip_eps=1.0, clip_eps_high=4.0, clip_mode="cispo"),
+    online_dpo=dict(mask_truncated=False, dynamic_sampling=False))
 # Starting from a pretrained model, keys not set explicitly take these instead (TRL's GRPO default rate)
-config = configure(globals(), finetune=dict(learning_rate=1e-6, min_lr=1e-7), rules=dict(
-    common.RULES, loss=("grpo", "online_dpo"), k="[2, inf)", prompts_per_step="[1, inf)", temperature="(0, inf)",
-    top_p="(0, 1]", max_new_tokens="[1, inf)", beta="(0, inf)", kl_coef="[0, inf)", clip_eps="(0, inf)",
-    updates_per_batch="[1, inf)", max_iters="[1, inf)"))
+config = configure(globals(), finetune=dict(learning_rate=1e-6, min_lr=1e-7), presets=dict(loss=PRESETS), rules=dict(
+    common.RULES, loss=("grpo", "dapo", "dr_grpo", "gspo", "cispo", "online_dpo"), k="[2, inf)",
+    prompts_per_step="[1, inf)", temperature="(0, inf)", top_p="(0, 1]", max_new_tokens="[1, inf)", beta="(0, inf)",
+    loss_aggregation=("reply_mean", "token_mean", "constant"), scale_rewards=("group", "batch", "none"),
+    clip_eps="(0, inf)", clip_eps_high="(0, inf)", importance_sampling_level=("token", "sequence"),
+    clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)", updates_per_batch="[1, inf)",
+    max_iters="[1, inf)"))
 # -----------------------------------------------------------------------------
 
 
+policy = loss != "online_dpo"  # the GRPO family: a policy loss on every reply token
+if mask_truncated and not policy:
+    fail("config error: mask_truncated=True with loss='online_dpo': a DPO pair trains whole replies; drop "
+         "--mask_truncated or choose a loss of the GRPO family")
 try:
     reward_fns = Rewards(reward, reward_weights)
 except RewardError as e:
@@ -105,6 +137,7 @@ model, raw_model, optimizer, device, tok = run.model, run.raw_model, run.optimiz
 iter_num, max_iters, world_size, rank = run.start_iter, run.max_iters, run.world_size, run.rank
 sync_ranks = parallel == "fsdp" and world_size > 1  # FSDP2: every forward of generation is a collective
 first_of_group = run.cp.rank == 0  # what a CP group's ranks hold alike (its groups, pairs) is counted by this one
+stop_ids = set(tok.stop_ids)
 
 
 def fits(ids, where):
@@ -129,8 +162,10 @@ except RewardError as e:
     fail(f"data error: {e}")
 except SystemExit as e:
     fail(e.code)
-print0(f"RL: {loss} loss, {len(train_prompts)} train prompts, {prompts_per_step} x {k} replies per step, reward "
-       f"{reward_fns}, {len(val_prompts)} held-out prompts")
+knobs = [*PRESETS["grpo"], "kl_coef"] if policy else ["beta", "dynamic_sampling"]
+knobs += ["max_extra_rounds"] * dynamic_sampling
+print0(f"RL: {loss} loss ({', '.join(f'{key}={config[key]}' for key in knobs)}), {len(train_prompts)} train prompts, "
+       f"{prompts_per_step} x {k} replies per step, reward {reward_fns}, {len(val_prompts)} held-out prompts")
 logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
                        resume_iter=iter_num if init_from == "resume" else None)
 ref = Reference.of_model("adapters_off" if lora_rank else "live", run) if loss == "online_dpo" or kl_coef else None
@@ -154,11 +189,10 @@ def score(prompts, replies, num_samples):
     return each @ reward_fns.weights, each
 
 
-def sample(step):
-    """This rank's share of step `step` -> (prompts, k token lists per prompt, rewards (G, k), each reward function's
-    (G * k, F), seconds in `reward`)."""
-    first = step * prompts_per_step
-    mine = list(range(first + run.cp.data_rank, first + prompts_per_step, run.cp.data_size))  # positions in the stream
+def sample(first):
+    """This rank's share of the prompts at stream positions first .. first + prompts_per_step -> (their positions,
+    prompts, k token lists per prompt, rewards (G, k), each reward function's (G * k, F), seconds in `reward`)."""
+    mine = list(range(first + run.cp.data_rank, first + prompts_per_step, run.cp.data_size))
     prompts = [train_prompts[permutation(i // len(train_prompts))[i % len(train_prompts)]] for i in mine]
     gens = [torch.Generator(device).manual_seed(hash((seed, i, j)) % 2**63) for i in mine for j in range(k)]
     model.eval()
@@ -171,49 +205,110 @@ def sample(step):
     # generation without CP: a CP group's ranks draw the same replies (same prompts, generators and weights); its first
     # rank's replies and rewards are the group's, so that a nondeterministic kernel or reward cannot set them apart
     replies, (rewards, each) = run.cp.broadcast((replies, scored))
-    return (prompts, [replies[g * k:(g + 1) * k] for g in range(len(prompts))], rewards.reshape(-1, k), each,
+    return (mine, prompts, [replies[g * k:(g + 1) * k] for g in range(len(prompts))], rewards.reshape(-1, k), each,
             time.perf_counter() - t0)
 
 
+def teaches(rewards):
+    """(G, k) -> (G,) whether a group's rewards differ: one whose k rewards are equal has all advantages 0."""
+    return rewards.max(1, initial=-math.inf) > rewards.min(1, initial=math.inf)
+
+
+def collect(first):
+    """One step's groups from prompt stream position `first` -> ((prompts, replies, rewards) to train, (every reply
+    sampled, every reward, rounds), seconds in `reward`, the next position). dynamic_sampling (DAPO): groups whose
+    rewards are all equal are dropped and rounds of prompts_per_step more prompts sampled until prompts_per_step groups
+    teach something (the first ones in the stream: the same on any world size), or max_extra_rounds were sampled."""
+    kept, sampled, reward_s, rounds, n_kept = ([], [], []), ([], [], []), 0.0, 0, 0
+    while True:
+        positions, prompts, replies, rewards, each, seconds = sample(first)
+        sampled[0].extend(replies)
+        sampled[1].append(rewards)
+        sampled[2].append(each)
+        reward_s, rounds = reward_s + seconds, rounds + 1
+        if not dynamic_sampling:
+            return (prompts, replies, rewards), (*sampled, rounds), reward_s, first + prompts_per_step
+        flags = np.zeros(prompts_per_step)
+        flags[np.array(positions, dtype=np.int64) - first] = teaches(rewards)
+        chosen = np.flatnonzero(np.array(all_reduce_sum(flags.tolist(), device)))[:prompts_per_step - n_kept] + first
+        for g in np.flatnonzero(np.isin(positions, chosen)):
+            for part, x in zip(kept, (prompts[g], replies[g], rewards[g])):
+                part.append(x)
+        n_kept, first = n_kept + len(chosen), first + prompts_per_step
+        if n_kept == prompts_per_step or rounds > max_extra_rounds:  # the step trains what it has: its line says so
+            return (kept[0], kept[1], np.array(kept[2]).reshape(-1, k)), (*sampled, rounds), reward_s, first
+
+
+def all_reduce_max(value):
+    """The largest of an int over all ranks, in one collective."""
+    t = torch.tensor(value, device=device)
+    if world_size > 1:
+        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return t.item()
+
+
+def truncated(reply):
+    """A reply with no stop token: cut at max_new_tokens (or at the model's last position)."""
+    return not reply or reply[-1] not in stop_ids
+
+
 def training_batches(prompts, replies, rewards):
-    """-> (host micro-batches, as many on every rank, group size, per-reply advantages or None, the global normaliser:
-    reply tokens (grpo) or pairs, groups trained, tokens unshared). Groups that teach nothing (all k rewards equal, and
-    no KL term) are left out."""
-    keep = [g for g in range(len(prompts)) if (loss == "grpo" and kl_coef) or rewards[g].max() > rewards[g].min()]
-    if loss == "grpo":
+    """The step's groups -> (host micro-batches, as many on every rank; group size; per reply of this rank's groups
+    trained (the GRPO family): advantages, loss weights, trained tokens; pairs in the step (online_dpo); groups that
+    teach something; tokens unshared). A group whose k rewards are equal is not computed (unless kl_coef > 0: its KL
+    term); it counts in the step's normaliser as TRL counts it (it has no loss)."""
+    rewards = np.asarray(rewards, dtype=np.float64).reshape(-1, k)
+    taught = teaches(rewards)
+    keep = [g for g in range(len(prompts)) if taught[g] or (policy and kl_coef)]
+    cut = np.array([[mask_truncated and truncated(r) for r in group] for group in replies], dtype=bool).reshape(-1, k)
+    lengths = np.array([[len(r) for r in group] for group in replies], dtype=np.int64).reshape(-1, k) * ~cut
+    per_step = dict(token_mean=lengths.sum(), reply_mean=lengths.size, constant=lengths.size * max_new_tokens)
+    count = per_step[loss_aggregation] if policy else len(keep)
+    normaliser, trained, r_sum, r2_sum, n = all_reduce_sum([x * first_of_group for x in (
+        count, taught.sum(), rewards.sum(), (rewards ** 2).sum(), rewards.size)], device)
+    if policy:
         groups, size = [replies[g] for g in keep], k
-        advantages = group_advantages(torch.from_numpy(rewards))[keep].flatten().float().to(device)
+        masks = [[np.ones(len(r)) * (1 - c) for r, c in zip(replies[g], cut[g])] for g in keep]
+        batch_std = math.sqrt(max(r2_sum - r_sum ** 2 / max(n, 1), 0) / max(n - 1, 1))  # TRL's: unbiased, over the step
+        kept = torch.from_numpy(rewards[keep])  # (G', k); G' = 0: no group, no std to take
+        advantages = (group_advantages(kept, scale_rewards, batch_std) if keep else kept).flatten().float()
+        reply_tokens = torch.from_numpy(lengths[keep].flatten()).float()
+        weights = loss_weights(reply_tokens, loss_aggregation, max(normaliser, 1))
+        per_reply = [x.to(device) for x in (advantages, weights, reply_tokens)]
     else:  # online_dpo: the best and the worst reply of each group
         groups = [[replies[g][rewards[g].argmax()], replies[g][rewards[g].argmin()]] for g in keep]
-        size, advantages = 2, None
-    data = group_data([prompts[g][0] for g in keep], groups)
+        size, masks, per_reply = 2, None, None
+    data = group_data([prompts[g][0] for g in keep], groups, masks)
     prefix = shared_prefixes(data, size) if prefix_sharing else None
     bins = rank_bins(np.arange(len(keep)), unit_lengths(data, size, prefix), microbatch_tokens * context_parallel)
-    n_forwards = torch.tensor(len(bins), device=device)
-    if world_size > 1:  # each rank's groups are its own: the busiest rank's count, found by one collective
-        torch.distributed.all_reduce(n_forwards, op=torch.distributed.ReduceOp.MAX)
-    mbs = [run.cp.split(make_batch(data, b, size, prefix)) for b in bins + [[]] * (n_forwards.item() - len(bins))]
-    count = sum(mb.num_target_tokens for mb in mbs) if loss == "grpo" else len(keep) * first_of_group
-    normaliser, trained = all_reduce_sum([count, len(keep) * first_of_group], device)
-    return mbs, size, advantages, normaliser, trained, int(np.diff(data["offsets"]).sum()) * first_of_group
+    n_forwards = all_reduce_max(len(bins))  # each rank's groups are its own: the busiest rank's count
+    mbs = [run.cp.split(make_batch(data, b, size, prefix)) for b in bins + [[]] * (n_forwards - len(bins))]
+    return mbs, size, per_reply, max(normaliser, 1), trained, int(np.diff(data["offsets"]).sum()) * first_of_group
 
 
-def microbatch_loss(mb, size, advantages, normaliser, old):
-    """This micro-batch's share of the step loss (times world_size: DDP and FSDP average gradients over ranks). old: its
-    state kept over a batch's updates (the sampling policy's and the reference's log-probs)."""
+def microbatch_loss(mb, size, per_reply, pairs, old):
+    """This micro-batch's share of the step loss (times world_size: DDP and FSDP average gradients over ranks), and its
+    sums for the log: (loss, -log p of the sampled tokens, tokens, ratios, tokens clipped low, high). old: its state
+    kept over a batch's updates (the sampling policy's and the reference's log-probs)."""
     with run.autocast:
         logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
     if "ref" not in old:
         old["ref"] = ref.logps(mb) if ref is not None else None
         old["policy"] = logps.detach()
-    if loss == "grpo":
+    if policy:
         seqs = (mb.units[:, None] * size + torch.arange(size, device=device)).flatten()  # the batch's replies
-        losses = policy_loss(logps, old["policy"], advantages[seqs][mb.seq_ids], clip_eps, old["ref"], kl_coef)
+        advantages, weights, lengths = (x[seqs] for x in per_reply)
+        reply_sums = mb.sequence_sums if importance_sampling_level == "sequence" else None
+        mb_loss, stats = policy_loss(logps, old["policy"], mb.seq_ids, advantages, weights, lengths, clip_eps,
+                                     clip_eps_high, clip_mode, reply_sums, old["ref"], kl_coef)
+        counted = mb_loss.detach()  # a CP slice holds a share of the tokens: the shares add up
     else:
         pc, pr = mb.pair_sums(logps)
         rc, rr = mb.pair_sums(old["ref"])
-        losses, _, _ = dpo_loss(pc, pr, rc, rr, None, None, "sigmoid", beta)
-    return losses.sum() * world_size / normaliser
+        mb_loss = dpo_loss(pc, pr, rc, rr, None, None, "sigmoid", beta)[0].sum() / pairs
+        counted, stats = mb_loss.detach() * first_of_group, torch.zeros(3, device=device)  # alike on a CP group
+    sums = torch.stack([counted, -old["policy"].sum(), torch.tensor(float(mb.num_target_tokens), device=device)])
+    return mb_loss * world_size, torch.cat([sums, stats.float()]).double()
 
 
 @torch.no_grad()
@@ -236,50 +331,67 @@ def evaluate():
     return out
 
 
-def log_step(step_loss, rewards, each, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm):
-    """Every step's log line (a step takes seconds): its loss, the rewards of its samples on all ranks, its speed."""
-    flat = rewards.flatten()  # a CP group's ranks hold the same samples: means over them are unchanged
-    alone = first_of_group or loss == "grpo"  # online_dpo's pair losses are alike on a CP group (GRPO's: per token)
-    perf, (loss_sum, r_sum, r2_sum, right, n, reply_tokens, unshared, *each_sums) = meter.read(train_s, 1, [
-        step_loss.item() * alone, flat.sum().item(), (flat ** 2).sum().item(), (flat >= 1).sum().item(), len(flat),
-        sum(len(r) for group in replies for r in group), unshared, *each.sum(0).tolist()])
+def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_norm):
+    """Every step's log line (a step takes seconds): its loss, the rewards and lengths of its samples on all ranks
+    (every round), its groups, its speed; the policy's ratios and clipping in the step's last update."""
+    replies, rewards, each, rounds = sampled
+    flat = np.concatenate([r.flatten() for r in rewards])  # a CP group's ranks hold the same samples: means unchanged
+    each = np.concatenate(each)
+    every = [r for group in replies for r in group]
+    lengths = np.array([len(r) for r in every])
+    perf, (loss_sum, nll, n_tokens, ratios, low, high, r_sum, r2_sum, right, n, reply_tokens, cut, sampled_groups,
+           unshared, *each_sums) = meter.read(train_s, 1, [
+               *sums.tolist(), flat.sum(), (flat ** 2).sum(), (flat >= 1).sum(), len(flat), lengths.sum(),
+               sum(map(truncated, every)), len(replies) * first_of_group, unshared, *each.sum(0).tolist()])
     each_mean = {name: s / n for name, s in zip(reward_fns.names, each_sums)}  # as TRL logs them: unweighted
+    tally[0], tally[1] = tally[0] + trained, tally[1] + sampled_groups
+    longest = all_reduce_max(int(lengths.max(initial=0)))
     mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
+    per_token = (lambda x: x / max(n_tokens, 1)) if policy else (lambda x: None)
     metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=math.sqrt(max(r2_sum / n - mean ** 2, 0)),
-                   accuracy=right / n, reply_tokens=reply_tokens / n, groups_trained=trained, gen_ms=1000 * gen_s,
-                   reward_ms=1000 * reward_s, train_ms=1000 * train_s, tokens_unshared=unshared, lr=lr,
-                   grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps, **perf,
-                   **{f"rewards/{name}/mean": m for name, m in each_mean.items()})
+                   accuracy=right / n, reply_tokens=reply_tokens / n, reply_tokens_max=longest, truncated=cut / n,
+                   groups_trained=trained, groups_sampled=sampled_groups, sampling_rounds=rounds,
+                   sampled_nll=nll / max(n_tokens, 1), ratio_mean=per_token(ratios), clip_low=per_token(low),
+                   clip_high=per_token(high), gen_ms=1000 * gen_s, reward_ms=1000 * reward_s, train_ms=1000 * train_s,
+                   tokens_unshared=unshared, lr=lr, grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps,
+                   **perf, **{f"rewards/{name}/mean": m for name, m in each_mean.items()})
+    capped = "; max_extra_rounds reached" if trained < prompts_per_step else ""
+    groups = f"groups {trained:.0f}/{sampled_groups:.0f} trained" + (f" ({rounds} rounds{capped})" * (rounds > 1))
     parts = f" ({', '.join(f'{name} {m:.3f}' for name, m in each_mean.items())})" * (len(each_mean) > 1)
     print0(f"iter {iter_num}/{max_iters} | loss {loss_sum:.4f} | reward {mean:.3f}{parts} | accuracy "
-           f"{100 * metrics['accuracy']:.1f}% | groups {trained:.0f} | ms: gen {1000 * gen_s:.0f}, reward "
-           f"{1000 * reward_s:.0f}, train {1000 * train_s:.0f} | tokens {perf['tokens']:,.0f} (unshared "
-           f"{unshared:,.0f}) | eta {format_eta(eta)}")
+           f"{100 * metrics['accuracy']:.1f}% | " + (groups if trained else f"{groups}: every group's rewards were "
+           f"equal, nothing learned") + f" | reply {reply_tokens / n:.1f} tokens (max {longest}, "
+           f"{100 * cut / n:.0f}% cut) | ms: gen {1000 * gen_s:.0f}, reward {1000 * reward_s:.0f}, train "
+           f"{1000 * train_s:.0f} | tokens {perf['tokens']:,.0f} (unshared {unshared:,.0f}) | eta {format_eta(eta)}")
     logger.log(metrics)
 
 
 # ---- the loop: every step is logged
 results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
 before = run.saved.get("before", results)
+prompts_drawn = run.saved.get("prompts_drawn", iter_num * prompts_per_step)  # positions of the prompt stream used
+tally = run.saved.get("groups", [0, 0])  # groups trained, sampled, since the run began
 timer = Timer(device)
 meter = Throughput(raw_model, device, world_size, flops_factor=1.0 if ref is None else 4 / 3)
 start_iter, t_start = iter_num, time.perf_counter()
 while iter_num < max_iters:
     lr = common.set_lr(optimizer, common.lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
-    prompts, replies, rewards, each_reward, reward_s = sample(iter_num)
-    batches, size, advantages, normaliser, trained, unshared = training_batches(prompts, replies, rewards)
+    (prompts, replies, rewards), sampled, reward_s, prompts_drawn = collect(prompts_drawn)
+    batches, size, per_reply, normaliser, trained, unshared = training_batches(prompts, replies, rewards)
     gen_s = time.perf_counter() - t0 - reward_s
     meter.count(batches, data_time=0.0)
     mbs, states = [mb.to(device) for mb in batches], [{} for _ in batches]
     stopping = False  # a stop signal is honoured after the step's last update
     for _ in range(updates_per_batch):
-        step_loss = torch.zeros((), device=device, dtype=torch.float64)
+        step_loss = torch.zeros((), device=device, dtype=torch.float64)  # this rank's part, checked finite
+        sums = torch.zeros(6, device=device, dtype=torch.float64)  # for the log: microbatch_loss's, this update's
         for i, (mb, old) in enumerate(zip(mbs, states)):
             with sync_gradients(model, enabled=i == len(mbs) - 1):
-                mb_loss = microbatch_loss(mb, size, advantages, normaliser, old)  # `loss` is the config key
+                mb_loss, mb_sums = microbatch_loss(mb, size, per_reply, normaliser, old)  # `loss` is the config key
                 mb_loss.backward()
-            step_loss += mb_loss.detach() / world_size  # this rank's part of the step's loss
+            step_loss += mb_loss.detach() / world_size
+            sums += mb_sums
         grad_norm = common.clip_grad_norm(model, grad_clip)
         update, stop = run.guard.check(step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
         if update:
@@ -288,18 +400,23 @@ while iter_num < max_iters:
         stopping |= stop
     iter_num += 1
     train_s = timer.lap() - gen_s - reward_s
-    log_step(step_loss, rewards, each_reward, replies, trained, unshared, gen_s, reward_s, train_s, grad_norm)
+    log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_norm)
     last = iter_num == max_iters
+    extra = dict(before=before, prompts_drawn=prompts_drawn, groups=tally)
     if (eval_interval and iter_num % eval_interval == 0) or last:
         results = evaluate()
-        save_checkpoint(run, iter_num, {}, config, extra=dict(before=before), evaluation=results)
+        save_checkpoint(run, iter_num, {}, config, extra=extra, evaluation=results)
         timer.lap()  # evaluation is not the next step's time
     elif stopping:  # a stop on an evaluation step is saved above, with its evaluation
-        save_checkpoint(run, iter_num, {}, config, extra=dict(before=before))
+        save_checkpoint(run, iter_num, {}, config, extra=extra)
     if stopping and not last:  # on the last step the run ends as usual: export
         logger.finish()
         run.exit_stopped(iter_num)
 
+print0(f"groups trained: {tally[0]:,.0f} of {tally[1]:,.0f} sampled ({100 * tally[0] / max(tally[1], 1):.1f}%)")
+if not tally[0]:
+    print0("warning: no group's rewards ever differed, so this run learned nothing from its rewards: check the reward "
+           "function on a few replies, or use prompts this model sometimes gets right", file=sys.stderr)
 if before and results:
     print0(f"held-out, greedy: exact-match accuracy {100 * before['val_accuracy']:.1f}% -> "
            f"{100 * results['val_accuracy']:.1f}% | mean reward {before['val_reward']:.3f} -> "

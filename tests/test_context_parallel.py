@@ -19,7 +19,7 @@ import torch
 
 from conftest import ROOT, as_args, run_script, step_metrics
 from context import ContextParallel
-from context_check import MODELS, SFT, SHARED, batch
+from context_check import MODELS, RL, SFT, SHARED, batch
 from hf import SafetensorsFolder
 from packing import make_batch
 from test_lora_train import args as lora_args, assert_same_run as assert_same_lora_run
@@ -104,8 +104,9 @@ def launch(nproc, size, cases):
 @pytest.mark.parametrize("nproc,size", [(2, 2), (4, 4), (4, 2)], ids=["cp2", "cp4", "dp2xcp2"])
 def test_context_parallel_equals_one_process(nproc, size):
     """Loss, per-sequence log-prob sums and every gradient, each case on four models (GQA, sliding window, MHA with
-    biases, activation checkpointing): see tests/context_check.py for the tolerances."""
-    cases = list(SFT) + list(SHARED)
+    biases, activation checkpointing), the GRPO family's aggregations and ratio levels among them: see
+    tests/context_check.py for the tolerances."""
+    cases = list(SFT) + list(SHARED) + list(RL)
     stdout = launch(nproc, size, cases)
     assert stdout.count("ok ") == len(MODELS) * len(cases), stdout
 
@@ -221,8 +222,8 @@ def test_dpo_resumes_from_context_parallel_into_one_process(tmp_path, pairs):
 @pytest.mark.parametrize("loss, parallel", [("grpo", "ddp"), ("online_dpo", "fsdp")])
 def test_rl_context_parallel_equals_one_process(tmp_path, loss, parallel):
     """A group (prompt once, k replies) longer than microbatch_tokens is refused naming --context_parallel; with it,
-    two ranks (generating the same replies, training on slices) take one process's steps: GRPO with a second update
-    and a KL term to a live reference; online DPO (best and worst reply, their prompt shared) cut at iter 2 and
+    two ranks (generating the same replies, training on slices) take one process's steps: GRPO's reply mean with a
+    ratio per reply (its sums over the group), a second update and a KL term to a live reference; online DPO (best and worst reply, their prompt shared) cut at iter 2 and
     resumed in one process."""
     kw = dict(loss=loss) if loss == "grpo" else dict(loss=loss, kl_coef=0.0, updates_per_batch=1, beta=1.0)
     if loss == "grpo":

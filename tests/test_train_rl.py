@@ -23,7 +23,7 @@ import torch
 import kernels
 import model as M
 from conftest import ROOT, as_args, checkpoint_weights, run_script, step_metrics
-from losses import dpo_loss, group_advantages, policy_loss
+from losses import dpo_loss, group_advantages, loss_weights, policy_loss
 from packing import group_data, make_batch, shared_prefixes
 from test_groups import MODELS, SHAPES, assert_close_runs, make_groups
 
@@ -40,12 +40,38 @@ def token_logps_alone(net, data):
     return out
 
 
+# (loss_aggregation, importance_sampling_level, clip_mode) and each reply's loss written out: the paper's formula
+OBJECTIVES = {
+    "dapo: token mean, token ratios": ("token_mean", "token", "ppo"),
+    "gspo: reply mean, a ratio per reply": ("reply_mean", "sequence", "ppo"),
+    "dr_grpo + cispo: constant": ("constant", "token", "cispo"),
+}
+CLIP_LOW, CLIP_HIGH, KL, MAX_NEW = 0.2, 0.28, 0.05, 30
+
+
+def reply_loss(objective, logp, old, ref, advantage):
+    """One reply's summed loss as the papers write it (KL's k3 estimate per token), before the step's normaliser."""
+    aggregation, level, mode = OBJECTIVES[objective]
+    kl = KL * (torch.exp(ref - logp) - (ref - logp) - 1)
+    if level == "sequence":  # GSPO: s = exp(mean log-ratio), -min(s A, clip(s) A) on each token
+        s = torch.exp((logp - old).mean())
+        policy = -torch.min(s * advantage, s.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * advantage) * torch.ones_like(logp)
+    elif mode == "cispo":  # MiniMax-M1: -sg(clip(r)) A log p
+        policy = -torch.exp(logp - old).clamp(1 - CLIP_LOW, 1 + CLIP_HIGH).detach() * advantage * logp
+    else:
+        r = torch.exp(logp - old)
+        policy = -torch.min(r * advantage, r.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH) * advantage)
+    total = (policy + kl).sum()
+    return total / len(logp) if aggregation == "reply_mean" else total
+
+
 @pytest.mark.parametrize("model_kw", list(MODELS.values()), ids=list(MODELS))
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("k", [2, 3, 8])
-def test_grpo_and_online_dpo_losses_equal_each_reply_alone(monkeypatch, k, shape, model_kw):
-    """The token-level GRPO loss (a second update: ratios away from 1, some clipped; KL to a reference) and the
-    online-DPO loss of (best, worst), with every parameter gradient, on the shared layout and on each sequence alone."""
+def test_policy_losses_and_online_dpo_equal_each_reply_alone(monkeypatch, k, shape, model_kw):
+    """The GRPO family's aggregations, ratio levels and clip modes (a second update: ratios away from 1, some clipped;
+    KL to a reference) and the online-DPO loss of (best, worst), with every parameter gradient, on the shared layout
+    and laid out whole, against each sequence alone."""
     monkeypatch.setattr(kernels, "LOSS_CHUNK", 5)
     torch.manual_seed(0)
     net = M.Transformer(M.config_from_preset("tiny", vocab_size=VOCAB, **model_kw))
@@ -55,22 +81,29 @@ def test_grpo_and_online_dpo_losses_equal_each_reply_alone(monkeypatch, k, shape
     if shape == "replies that begin alike":  # replies 0 and 1 are the same reply: the same reward
         rewards[:, 1] = rewards[:, 0]
     advantages = group_advantages(rewards).flatten().float()
-    n_tokens = int(sum(len(r) for group in replies for r in group))
     groups = [2, 0, 1]
-    alone_old = [x.detach() + 0.3 * torch.randn_like(x) for x in token_logps_alone(net, data)]  # the sampler's
+    alone_logps = token_logps_alone(net, data)  # forward once: each objective backpropagates through it (retained)
+    alone_old = [x.detach() + 0.3 * torch.randn_like(x) for x in alone_logps]  # the sampler's
+    lengths = torch.tensor([float(len(x)) for x in alone_old])  # trained tokens: a lone reply's first is none
     alone_ref = [x.detach() + 0.1 * torch.randn_like(x) for x in alone_old]
+    normaliser = dict(token_mean=lengths.sum(), reply_mean=len(lengths), constant=len(lengths) * MAX_NEW)
+    batches = {name: make_batch(data, groups, group_size=k, prefix=prefix)
+               for name, prefix in (("shared", shared_prefixes(data, k)), ("whole", None))}
+    packed_logps = {name: net(**mb.inputs(), logprobs=True) for name, mb in batches.items()}
 
-    def grpo_alone():
-        logps = token_logps_alone(net, data)
-        return sum(policy_loss(lp, old, advantages[i], 0.2, ref, 0.05).sum()
-                   for i, (lp, old, ref) in enumerate(zip(logps, alone_old, alone_ref))) / n_tokens
+    def alone(objective):
+        total = sum(reply_loss(objective, lp, old, ref, advantages[i])
+                    for i, (lp, old, ref) in enumerate(zip(alone_logps, alone_old, alone_ref)))
+        return total / normaliser[OBJECTIVES[objective][0]]
 
-    def grpo_packed(prefix):
-        mb = make_batch(data, groups, group_size=k, prefix=prefix)
+    def packed(objective, name):
+        aggregation, level, mode = OBJECTIVES[objective]
+        mb = batches[name]
         seqs = (mb.units[:, None] * k + torch.arange(k)).flatten()  # the batch's sequences, in batch order
         old, ref = torch.cat([alone_old[s] for s in seqs]), torch.cat([alone_ref[s] for s in seqs])
-        logps = net(**mb.inputs(), logprobs=True)
-        return policy_loss(logps, old, advantages[seqs][mb.seq_ids], 0.2, ref, 0.05).sum() / n_tokens
+        weights = loss_weights(lengths, aggregation, normaliser[aggregation])
+        return policy_loss(packed_logps[name], old, mb.seq_ids, advantages[seqs], weights[seqs], lengths[seqs],
+                           CLIP_LOW, CLIP_HIGH, mode, mb.sequence_sums if level == "sequence" else None, ref, KL)[0]
 
     best, worst = rewards.argmax(1), rewards.argmin(1)
     pair_ref = torch.randn(3, 2)
@@ -83,38 +116,18 @@ def test_grpo_and_online_dpo_losses_equal_each_reply_alone(monkeypatch, k, shape
 
     def grads(loss):
         net.zero_grad()
-        loss.backward()
+        loss.backward(retain_graph=True)
         return loss.detach(), {name: p.grad.clone() for name, p in net.named_parameters()}
 
-    assert any((torch.exp(a - b) - 1).abs().max() > 0.2 for a, b in zip(token_logps_alone(net, data), alone_old))
-    expected = grads(grpo_alone())
-    for prefix in (shared_prefixes(data, k), None):
-        assert_close_runs(grads(grpo_packed(prefix)), expected)
-        mb = make_batch(data, groups, group_size=k, prefix=prefix)
-        sums = mb.group_sums(net(**mb.inputs(), logprobs=True), k)[torch.tensor(groups).argsort()]
-        alone = torch.stack([lp.sum() for lp in token_logps_alone(net, data)]).view(3, k)
-        assert_close_runs(grads(online_dpo(sums)), grads(online_dpo(alone)))
-
-
-def test_group_advantages_and_the_policy_loss():
-    rewards = torch.tensor([[1.0, 0.0, 0.0, 1.0], [2.0, 2.0, 2.0, 2.0], [0.0, 3.0, 0.0, 0.0]])
-    adv = group_advantages(rewards)
-    for g in range(3):
-        r = rewards[g]
-        want = (r - r.mean()) / r.std() if r.std() > 0 else torch.zeros(4)  # torch's std: unbiased, as TRL's
-        torch.testing.assert_close(adv[g], want)
-    logps = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
-    a = torch.tensor([1.0, -1.0, 2.0])
-    first = policy_loss(logps, logps.detach(), a, 0.2)  # a batch's first update: the ratio is 1
-    torch.testing.assert_close(first, -a)
-    first.sum().backward()
-    torch.testing.assert_close(logps.grad, -a)  # REINFORCE: -A d logp
-    old = logps.detach() - torch.tensor([0.5, 0.5, -0.5])  # ratios e^0.5 (beyond 1.2) and e^-0.5 (below 0.8)
-    clipped = policy_loss(logps.detach(), old, a, 0.2)  # the pessimistic side: clipped only where it gains
-    torch.testing.assert_close(clipped, -torch.tensor([1.2, -np.exp(0.5), 2 * np.exp(-0.5)]).float())
-    ref = logps.detach() + 0.3
-    kl = policy_loss(logps.detach(), logps.detach(), torch.zeros(3), 0.2, ref, 2.0)
-    torch.testing.assert_close(kl, torch.full((3,), 2.0 * (np.exp(0.3) - 0.3 - 1)).float())
+    assert any((torch.exp(a - b) - 1).abs().max() > 0.2 for a, b in zip(alone_logps, alone_old))
+    alone_sums = torch.stack([lp.sum() for lp in alone_logps]).view(3, k)
+    for objective in OBJECTIVES:
+        expected = grads(alone(objective))
+        for name in batches:
+            assert_close_runs(grads(packed(objective, name)), expected)
+    for name, mb in batches.items():
+        sums = mb.group_sums(packed_logps[name], k)[torch.tensor(groups).argsort()]
+        assert_close_runs(grads(online_dpo(sums)), grads(online_dpo(alone_sums)))
 
 
 # ---- the script ---------------------------------------------------------------------------------------------------
@@ -123,10 +136,13 @@ REWARD = "tests.rl_rewards:distinct_characters"
 
 def args(out_dir, **kw):
     # a high constant learning rate, so that steps differ; a second update per batch (ratio clipping) and a KL term
-    # (a live reference) so that every part of the loss is in every comparison
+    # (a live reference) so that every part of the loss is in every comparison; DAPO (token mean, dynamic sampling)
+    # with a ratio per reply (its sums over a CP group) and the step's reward std (over all ranks); replies kept whole
+    # (a scratch model stops few replies by max_new_tokens)
     cfg = dict(out_dir=out_dir, init_from="scratch", preset="tiny", reward=REWARD, k=4, prompts_per_step=6,
                max_new_tokens=6, max_iters=3, learning_rate=3e-3, min_lr=3e-3, warmup_iters=0, kl_coef=0.05,
-               updates_per_batch=2, microbatch_tokens=4096, eval_interval=0, eval_examples=0, seed=7)
+               updates_per_batch=2, microbatch_tokens=4096, eval_interval=0, eval_examples=0, seed=7, loss="dapo",
+               importance_sampling_level="sequence", scale_rewards="batch", mask_truncated=False)
     cfg.update(kw)
     return as_args(**cfg)
 
@@ -260,13 +276,61 @@ def test_default_flow_from_a_dpo_folder(tmp_path):
     assert os.path.exists(os.path.join(tmp_path, "rl", "hf", "model.safetensors"))
 
 
+@pytest.mark.parametrize("loss", ["grpo", "dapo"])
+def test_a_run_whose_rewards_never_differ_says_it_trained_nothing(tmp_path, loss):
+    """The reported case (issue 40, finding 24): a scratch model gets every built-in answer wrong, so every group's
+    rewards are equal. Each step's line and the end say that nothing was trained; dynamic sampling (dapo) samples its
+    extra rounds, counted, and then trains what it has (nothing) instead of sampling forever."""
+    out_dir = str(tmp_path / "run")
+    out = run(args(out_dir, reward="builtin", loss=loss, importance_sampling_level="token", kl_coef=0.0,
+                   max_iters=2, max_extra_rounds=1))
+    assert out.stdout.count("every group's rewards were equal, nothing learned") == 2, out.stdout[-3000:]
+    assert "groups trained: 0 of " in out.stdout and "warning: no group's rewards ever differed" in out.stderr
+    assert "UserWarning" not in out.stderr  # no std taken of no group
+    s = step_metrics(out_dir)
+    rounds = 2 if loss == "dapo" else 1
+    assert [(m["groups_trained"], m["groups_sampled"], m["sampling_rounds"], m["loss"]) for m in s] == [
+        (0, 6 * rounds, rounds, 0.0)] * 2
+    if loss == "dapo":
+        assert "(2 rounds; max_extra_rounds reached)" in out.stdout
+
+
+def test_dynamic_sampling_fills_the_step_with_groups_that_teach(tmp_path):
+    """k = 2 replies and a reward of 0 or 1 (tests/rl_rewards.py:many_characters): many groups tie. Each step samples
+    rounds until it holds prompts_per_step groups whose rewards differ, the first in the prompt stream whatever the
+    world size (DDP x2 each scoring its share), and a resume continues the stream where the straight run is (a step
+    may use more than prompts_per_step prompts)."""
+    cfg = dict(reward="tests.rl_rewards:many_characters", k=2, kl_coef=0.0, importance_sampling_level="token",
+               max_iters=3, max_extra_rounds=8)
+    straight, cut = str(tmp_path / "straight"), str(tmp_path / "cut")
+    run(args(straight, **cfg))
+    s = step_metrics(straight)
+    assert all(m["groups_trained"] == 6 for m in s) and any(m["sampling_rounds"] > 1 for m in s)
+    assert all(m["groups_sampled"] == 6 * m["sampling_rounds"] for m in s)
+    run(args(cut, **dict(cfg, max_iters=2)), nproc=2)
+    run([f"--out_dir={cut}", "--init_from=resume", "--max_iters=3"])
+    assert_same_run(straight, cut)
+
+
+def test_truncated_replies_leave_the_loss(tmp_path):
+    """max_new_tokens=2: a scratch model stops almost no reply so soon. Masked (DAPO's overlong filtering), a step
+    whose replies are all cut has nothing to train (gradient 0); unmasked it trains on them."""
+    cfg = dict(loss="grpo", kl_coef=0.0, updates_per_batch=1, max_new_tokens=2, max_iters=1)
+    masked, kept = str(tmp_path / "masked"), str(tmp_path / "kept")
+    run(args(masked, **cfg, mask_truncated=True))
+    run(args(kept, **cfg, mask_truncated=False))
+    a, b = step_metrics(masked)[0], step_metrics(kept)[0]
+    assert a["truncated"] == b["truncated"] == 1.0 and a["reply_tokens_max"] == 2
+    assert a["grad_norm"] == 0.0 and b["grad_norm"] > 0
+
+
 def test_a_diverged_run_stops_non_zero_with_no_export(tmp_path):
     """The reported case: lr=1e6 makes every update non-finite, while steps whose groups all tie (nothing to train)
     come between them; they must not reset the count of non-finite updates in a row."""
     out_dir = str(tmp_path / "run")
     out = run(args(out_dir, reward="tests.rl_rewards:many_characters", k=2, prompts_per_step=1, learning_rate=1e6,
                    min_lr=0.0, warmup_iters=5, kl_coef=0.0, updates_per_batch=1, max_iters=12, eval_examples=4,
-                   seed=1337), check=False)
+                   seed=1337, dynamic_sampling=False), check=False)  # steps that tie stay in the run
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "stopping: 3 steps in a row had a non-finite loss or gradient norm" in out.stderr
     s = step_metrics(out_dir)
