@@ -101,6 +101,7 @@ def launch(nproc, size, cases):
     return out.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("nproc,size", [(2, 2), (4, 4), (4, 2)], ids=["cp2", "cp4", "dp2xcp2"])
 def test_context_parallel_equals_one_process(nproc, size):
     """Loss, per-sequence log-prob sums and every gradient, each case on four models (GQA, sliding window, MHA with
@@ -139,6 +140,7 @@ def sft_args(out_dir, data, **kw):
     return as_args(**cfg)
 
 
+@pytest.mark.slow
 def test_sft_context_parallel_equals_one_process(tmp_path, chats):
     """A sequence longer than microbatch_tokens is refused in one line that names --context_parallel; with it, two
     ranks of 512 tokens take the steps one process of 1024 takes: losses, val losses, tokens counted once, weights."""
@@ -158,6 +160,7 @@ def test_sft_context_parallel_equals_one_process(tmp_path, chats):
         torch.testing.assert_close(x.read(key), y.read(key), atol=1e-4, rtol=0, msg=lambda m: f"{key}: {m}")
 
 
+@pytest.mark.slow
 def test_sft_resumes_across_context_parallel_degrees(tmp_path, chats):
     """Cut at iter 2 under cp=2 (FSDP2) and resumed in one process, and the reverse: the straight run's steps."""
     straight = str(tmp_path / "straight")
@@ -180,6 +183,7 @@ def evaluations(out_dir):
         return [m for m in map(json.loads, f) if "loss" not in m]
 
 
+@pytest.mark.slow
 def test_dpo_context_parallel_equals_one_process(tmp_path, pairs):
     """A pair longer than microbatch_tokens is refused in one line naming --context_parallel; with it, two ranks take
     one process's steps (tolerances: test_train_dpo.py), with a pair's prompt shared (reference cached: the cache and
@@ -204,6 +208,7 @@ def test_dpo_context_parallel_equals_one_process(tmp_path, pairs):
         np.testing.assert_allclose(x, y, rtol=1e-5)
 
 
+@pytest.mark.slow
 def test_dpo_resumes_from_context_parallel_into_one_process(tmp_path, pairs):
     """LoRA, so that the reference is the policy with its adapters off: cut at iter 2 under cp=2, resumed in one
     process, the straight one-process run's steps and adapters (tolerances: test_lora_train.py)."""
@@ -219,6 +224,7 @@ def test_dpo_resumes_from_context_parallel_into_one_process(tmp_path, pairs):
     assert_same_lora_run(straight, cut)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss, parallel", [("grpo", "ddp"), ("online_dpo", "fsdp")])
 def test_rl_context_parallel_equals_one_process(tmp_path, loss, parallel):
     """A group (prompt once, k replies) longer than microbatch_tokens is refused naming --context_parallel; with it,

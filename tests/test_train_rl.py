@@ -174,6 +174,7 @@ def baseline(tmp_path_factory):
     return out_dir
 
 
+@pytest.mark.slow
 def test_microbatch_split_and_no_sharing_equal_the_baseline(tmp_path, baseline):
     split = str(tmp_path / "split")
     run(args(split, microbatch_tokens=240))  # one or two groups per micro-batch
@@ -184,6 +185,7 @@ def test_microbatch_split_and_no_sharing_equal_the_baseline(tmp_path, baseline):
     assert step_metrics(whole)[0]["tokens"] == step_metrics(whole)[0]["tokens_unshared"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
 def test_two_processes_equal_one(tmp_path, baseline, parallel):
     out_dir = str(tmp_path / parallel)
@@ -191,6 +193,7 @@ def test_two_processes_equal_one(tmp_path, baseline, parallel):
     assert_same_run(baseline, out_dir)
 
 
+@pytest.mark.slow
 def test_sigterm_saves_and_resume_equals_the_straight_run(tmp_path, baseline):
     cut = str(tmp_path / "cut")
     proc = subprocess.Popen([sys.executable, "train_rl.py", *args(cut, max_iters=3)], cwd=ROOT,
@@ -208,6 +211,7 @@ def test_sigterm_saves_and_resume_equals_the_straight_run(tmp_path, baseline):
     assert_same_run(baseline, cut, exact=True)  # the same samples and the same ops in the same order
 
 
+@pytest.mark.slow
 def test_online_dpo_starts_at_log_2_and_learns_the_reward(tmp_path):
     out_dir = str(tmp_path / "odpo")
     run(args(out_dir, loss="online_dpo", kl_coef=0.0, updates_per_batch=1, beta=1.0, max_iters=6))
@@ -222,6 +226,7 @@ def test_online_dpo_starts_at_log_2_and_learns_the_reward(tmp_path):
     ("tests.rl_rewards:as_string", "reward tests.rl_rewards:as_string returned '1' (a str) for prompt builtin:train:"),
     ("no_such_module:f", "reward='no_such_module:f': No module named 'no_such_module'"),
 ])
+@pytest.mark.slow
 def test_a_bad_reward_is_one_line_and_nothing_is_saved(tmp_path, reward, message):
     out = run(args(str(tmp_path), reward=reward), check=False)
     assert out.returncode != 0 and message in out.stderr, out.stderr[-2000:]
@@ -234,6 +239,7 @@ def test_a_bad_reward_is_one_line_and_nothing_is_saved(tmp_path, reward, message
                                                          "lower max_new_tokens"),
     (dict(microbatch_tokens=64), "raise microbatch_tokens, split it over GPUs with --context_parallel="),
 ])
+@pytest.mark.slow
 def test_a_group_that_cannot_fit_names_only_what_helps(tmp_path, kw, hint):
     """Too many positions for the model is not helped by a larger micro-batch or context parallelism: only what can
     help is suggested."""
@@ -241,6 +247,7 @@ def test_a_group_that_cannot_fit_names_only_what_helps(tmp_path, kw, hint):
     assert out.returncode != 0 and hint in out.stderr and "Traceback" not in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow
 def test_prompt_records_and_their_fields_reach_several_weighted_rewards(tmp_path):
     """Each reward gets the fields it takes (contains_target: `target` only, not `id` or `answer`), the total is the
     weighted sum of the rewards, each logged; an SFT file is refused before the model loads."""
@@ -276,6 +283,7 @@ def test_default_flow_from_a_dpo_folder(tmp_path):
     assert os.path.exists(os.path.join(tmp_path, "rl", "hf", "model.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["grpo", "dapo"])
 def test_a_run_whose_rewards_never_differ_says_it_trained_nothing(tmp_path, loss):
     """The reported case (issue 40, finding 24): a scratch model gets every built-in answer wrong, so every group's
@@ -295,6 +303,7 @@ def test_a_run_whose_rewards_never_differ_says_it_trained_nothing(tmp_path, loss
         assert "(2 rounds; max_extra_rounds reached)" in out.stdout
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_fills_the_step_with_groups_that_teach(tmp_path):
     """k = 2 replies and a reward of 0 or 1 (tests/rl_rewards.py:many_characters): many groups tie. Each step samples
     rounds until it holds prompts_per_step groups whose rewards differ, the first in the prompt stream whatever the
@@ -312,6 +321,7 @@ def test_dynamic_sampling_fills_the_step_with_groups_that_teach(tmp_path):
     assert_same_run(straight, cut)
 
 
+@pytest.mark.slow
 def test_truncated_replies_leave_the_loss(tmp_path):
     """max_new_tokens=2: a scratch model stops almost no reply so soon. Masked (DAPO's overlong filtering), a step
     whose replies are all cut has nothing to train (gradient 0); unmasked it trains on them."""
@@ -324,6 +334,7 @@ def test_truncated_replies_leave_the_loss(tmp_path):
     assert a["grad_norm"] == 0.0 and b["grad_norm"] > 0
 
 
+@pytest.mark.slow
 def test_a_diverged_run_stops_non_zero_with_no_export(tmp_path):
     """The reported case: lr=1e6 makes every update non-finite, while steps whose groups all tie (nothing to train)
     come between them; they must not reset the count of non-finite updates in a row."""
