@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import data.arithmetic as arithmetic  # noqa: E402
-from losses import policy_loss  # noqa: E402
+from losses import loss_weights, policy_loss  # noqa: E402
 from model import Transformer, config_from_preset  # noqa: E402
 from packing import group_data, make_batch, shared_prefixes  # noqa: E402
 from tokenizer import get_tokenizer  # noqa: E402
@@ -43,9 +43,12 @@ def cases(groups, k, vocab):
 
 
 def step(model, optimizer, mb, advantages):
+    """train_rl.py's default (DAPO): a token mean over the step's reply tokens, the ratio 1 on a batch's first update."""
     t0 = time.perf_counter()
     logps = model(**mb.inputs(), logprobs=True)
-    loss = policy_loss(logps, logps.detach(), advantages[mb.seq_ids], 0.2).sum() / len(logps)
+    lengths = torch.bincount(mb.seq_ids, minlength=len(advantages)).float()  # trained tokens per reply
+    weights = loss_weights(lengths, "token_mean", lengths.sum())
+    loss, _ = policy_loss(logps, logps.detach(), mb.seq_ids, advantages, weights, lengths, 0.2, 0.28)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
