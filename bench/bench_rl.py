@@ -39,7 +39,7 @@ def cases(groups, k, vocab):
     replies = [[tok.encode(arithmetic.answer(a, op, b, arithmetic.OPS[op](a, b), arithmetic.STYLES[j % 2]))
                 + tok.stop_ids[:1] for j in range(k)] for _, (*_, (a, op, b, _)) in chats]
     builtin = ([tok.render_prompt(messages[:-1]) for messages, _ in chats], replies)
-    return {"prompt-heavy (512 | 8 x 64)": heavy, "built-in (hard split)": builtin}
+    return {f"prompt-heavy (512 | {k} x 64)": heavy, "built-in (hard split)": builtin}
 
 
 def step(model, optimizer, mb, advantages):

@@ -75,8 +75,8 @@ def test_bench_generate_smoke():
 @pytest.mark.slow
 def test_bench_rl_smoke():
     out = run("bench/bench_rl.py", "--preset", "tiny", "--groups", "1", "--k", "2", "--rounds", "1")
-    rows = [l for l in out.splitlines() if l.startswith("| prompt-heavy")]
-    assert [r.split("|")[2].strip() for r in rows] == ["shared prompt", "own copy each"], out
+    rows = [l for l in out.splitlines() if l.startswith("| prompt-heavy (512 | 2 x 64)")]
+    assert [r.split("|")[3].strip() for r in rows] == ["shared prompt", "own copy each"], out
 
 
 @pytest.mark.slow
