@@ -196,8 +196,9 @@ BAD = [  # (script, arguments, what the one line must say)
     ("train_sft.py", "--init_from=@badtokenizer", "tokenizer error: "),
     ("train_sft.py", "--data=@medium --microbatch_tokens=512", "more than microbatch_tokens=512; raise microbatch_tokens"),
     ("train_sft.py", "--data=@long --microbatch_tokens=4096",
-     "long.jsonl:2: the example is 3007 tokens, more than max_len=2048 — raise --max_len, or pass --overlong "
-     "truncate (keep the first max_len tokens) or skip (max_len is capped at the model's max_seq_len=2048"),
+     "long.jsonl:2: the example is 3007 tokens, more than max_len=2048 — raise --max_len, or pass "
+     "--overlong=truncate (keep the first max_len tokens) or --overlong=skip (max_len is capped at the model's "
+     "max_seq_len=2048"),
     ("train_dpo.py", "--init_from=scratch --beta=0", "config error: beta=0.0; it must be a finite number greater"),
     ("train_dpo.py", "--init_from=scratch --reference=frozen", "reference='frozen'; choose one of auto, cached, live, adapters_off"),
     ("train_dpo.py", "--init_from=scratch --loss_type=ipo --label_smoothing=0.1", "label_smoothing=0.1; it must be"),
