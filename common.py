@@ -234,7 +234,11 @@ def setup(config, kind, builtin_sizes=None):
         loader = PackedLoader(train_data, c["batch_size"], c["microbatch_tokens"] * cp.size, rank=cp.data_rank,
                               world_size=cp.data_size, seed=c["seed"], group_size=group_size,
                               prefix_sharing=c.get("prefix_sharing", False), context=cp)
-        units = f"{len(loader.lengths)} train {'pairs' if kind == 'dpo' else 'examples'}"
+        units = f"{len(loader.lengths)} train {'pairs' if kind == 'dpo' else 'examples'}" if "units" not in train_data \
+            else f"{len(loader.lengths)} train conversations ({int(loader.sizes.sum())} turn examples)"
+        if c.get("reasoning_turns") == "each" and "units" not in train_data:  # token files of an earlier version
+            print0(f"note: {data_dir} was prepared before turn examples travelled together: each is packed on its own; "
+                   f"re-prepare it (a new out_dir, or delete {data_dir}) to compute a conversation's history once")
         if c["batch_size"] > len(loader.lengths):
             print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))

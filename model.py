@@ -213,6 +213,13 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=Non
         qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
         Lq, Lk = qi.shape[2], ki.shape[2]
         mask = None
+        if Lq != Lk and (sliding_window is None or Lk <= sliding_window):
+            # the last Lq of Lk queries: zero queries in front make SDPA's top-left is_causal the bottom right, on its
+            # fast kernels (a mask takes CPU's O(Lq x Lk) math path); their rows are dropped, so is their gradient
+            pad = qi.new_zeros(1, qi.shape[1], Lk - Lq, qi.shape[3])
+            o = F.scaled_dot_product_attention(torch.cat([pad, qi], 2), ki, vi, is_causal=True)[:, :, Lk - Lq:]
+            outs.append(o[0].transpose(0, 1))
+            continue
         if Lq != Lk or (sliding_window is not None and Lk > sliding_window):
             # SDPA's is_causal aligns at the top left; queries are the last Lq of the Lk keys (bottom right)
             i = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]  # each query's place among the keys

@@ -3,14 +3,16 @@ Lengths in, packed micro-batches out. A micro-batch is whole examples back to ba
 long, cu_seqlens marking the boundaries attention never crosses: nothing padded, cut or dropped.
 
 Data (data/prepare.py): ids (M,) all tokens; offsets (N+1,), example i is ids[offsets[i]:offsets[i+1]];
-loss_mask (M,), 1 on the tokens to learn. A unit travels whole: an SFT example, or a group of group_size adjacent
-sequences sharing a prompt (a DPO pair: 2, chosen then rejected; an RL group: k replies). The label shift happens
-here, once: the model knows nothing of shifting or boundaries.
+loss_mask (M,), 1 on the tokens to learn; units (U+1,) optional, unit u = sequences units[u]:units[u+1]. A unit
+travels whole: an SFT example, a group of group_size adjacent sequences sharing a prompt (a DPO pair: 2, chosen then
+rejected; an RL group: k replies), or a conversation's turn examples (reasoning_turns='each': data["units"]). The label
+shift happens here, once: the model knows nothing of shifting or boundaries.
 
-Prefix sharing: a group of k sequences that start with the same P tokens (the prompt) is laid out
-`prompt | rest 1 | ... | rest k` (positions 0..P-1 | P.. | P..): the prompt is computed once, each later rest attending
-to it through a key/value stream of its own (kv_index: each sequence's rows, the prompt's k times; cu_seqlens_k). The
-prompt's last row then predicts k tokens, so a group's targets are triples (target_rows, targets, seq_ids).
+Prefix sharing: each sequence of a unit computes only what it does not share with the sequence before it, a tree laid
+out `trunk | branch 2 | ... | branch n`: a pair or group `prompt | rest 1 | ... | rest k` (positions 0..P-1 | P.. |
+P..), a conversation's turn j after the history turn j - 1 already laid out. Each branch attends to the rows it shares
+and to its own through a key/value stream of its own (kv_index: each sequence's rows; cu_seqlens_k). A shared row
+then predicts several tokens, so such a batch's targets are triples (target_rows, targets, seq_ids).
 """
 import heapq
 from bisect import bisect_left, insort
@@ -87,26 +89,66 @@ def target_counts(data):
     return np.add.reduceat(mask[:offsets[-1]], offsets[:-1], dtype=np.int64) - mask[offsets[:-1]]
 
 
+def unit_offsets(data, group_size=1):
+    """(U+1,) unit u = sequences [units[u], units[u+1]): the data's own units, else groups of group_size."""
+    if "units" in data:
+        return np.asarray(data["units"], dtype=np.int64)
+    return np.arange(0, len(data["offsets"]), group_size, dtype=np.int64)
+
+
+def per_unit(values, bounds):
+    """(N,) per-sequence values -> (U,) their sums over each unit."""
+    sums = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+    return sums[bounds[1:]] - sums[bounds[:-1]]
+
+
 def unit_lengths(data, group_size=1, prefix=None):
-    """(U,) tokens each unit computes: an example, or a group of group_size sequences (its shared prefix once)."""
-    lengths = np.diff(np.asarray(data["offsets"], dtype=np.int64)).reshape(-1, group_size).sum(1)
-    return lengths if prefix is None else lengths - (group_size - 1) * prefix
+    """(U,) tokens each unit computes: its sequences, less what each shares with the one before it (prefix)."""
+    lengths = np.diff(np.asarray(data["offsets"], dtype=np.int64))
+    return per_unit(lengths if prefix is None else lengths - prefix, unit_offsets(data, group_size))
 
 
 def shared_prefixes(data, group_size=2):
-    """(U,) tokens all of a group's sequences share at the start, at most one less than any of their lengths, so
-    each keeps a token of its own. A lone sequence (group_size 1) shares nothing."""
+    """(N,) tokens each sequence shares at its start with the one before it in its unit (a unit's first: 0), at most
+    one less than its own length, so that each keeps a token of its own."""
     offsets, ids = np.asarray(data["offsets"], dtype=np.int64), data["ids"]
-    starts = offsets[:-1].reshape(-1, group_size)  # (U, k)
-    limit = np.diff(offsets).reshape(-1, group_size).min(1) - 1 if group_size > 1 else np.zeros(len(starts), int)
-    shared = np.zeros(len(starts), dtype=np.int64)
+    lengths = np.diff(offsets)
+    limit = np.minimum(lengths - 1, np.concatenate([[0], lengths[:-1]]))
+    limit[unit_offsets(data, group_size)[:-1]] = 0
+    shared = np.zeros(len(lengths), dtype=np.int64)
     active = np.flatnonzero(limit > 0)
-    while active.size:  # one token position per pass, over the groups still equal so far: O(sum of prefixes)
-        tokens = ids[starts[active] + shared[active, None]]  # (A, k)
-        active = active[(tokens == tokens[:, :1]).all(1)]
+    while active.size:  # one token position per pass, over the sequences still equal so far: O(sum of prefixes)
+        here = offsets[active] + shared[active]
+        active = active[ids[here] == ids[here - lengths[active - 1]]]
         shared[active] += 1
         active = active[shared[active] < limit[active]]
     return shared
+
+
+def layout(data, budget, group_size=1, prefix_sharing=False):
+    """What a split computes -> (the data, its units cut where one computes more than the budget: a conversation's
+    turn examples into pieces between sequences, each piece starting whole; prefix per sequence or None; (P,) tokens
+    each piece computes; (U+1,) piece offsets of each unit). Groups of group_size are never cut (check_fits)."""
+    bounds = unit_offsets(data, group_size)
+    prefix = shared_prefixes(data, group_size) if prefix_sharing and np.diff(bounds).max(initial=1) > 1 else None
+    lengths = np.diff(np.asarray(data["offsets"], dtype=np.int64))
+    own = lengths if prefix is None else lengths - prefix
+    starts = bounds[:-1].tolist()
+    for u in np.flatnonzero(per_unit(own, bounds) > budget).tolist() if "units" in data else []:
+        size = lengths[bounds[u]]
+        for i in range(bounds[u] + 1, bounds[u + 1]):  # a piece starts whole: its first sequence shares nothing
+            size += own[i]
+            if size > budget:
+                starts.append(i)
+                size = lengths[i]
+    if len(starts) == len(bounds) - 1:
+        return data, prefix, unit_lengths(data, group_size, prefix), np.arange(len(bounds))
+    pieces = np.array(sorted(starts) + [bounds[-1]], dtype=np.int64)
+    if prefix is not None:
+        prefix = prefix.copy()
+        prefix[pieces[:-1]] = 0
+    cut = dict(data, units=pieces)
+    return cut, prefix, unit_lengths(cut, 1, prefix), np.searchsorted(pieces, bounds)
 
 
 def group_data(prompts, replies, masks=None):
@@ -176,15 +218,16 @@ class PackedBatch:
 
 
 def make_batch(data, units, group_size=1, prefix=None):
-    """The data's units as one PackedBatch, sequences j*k .. j*k+k-1 its group j. prefix: shared_prefixes() of the
-    data, each group's prompt computed once; None lays every sequence out whole."""
+    """The data's units as one PackedBatch, their sequences in order (groups: sequences j*k .. j*k+k-1 its group j).
+    prefix: shared_prefixes() of the data, what each sequence shares computed once; None lays every sequence out
+    whole."""
     ids, offsets, loss_mask = data["ids"], data["offsets"], data["loss_mask"]
     units = np.asarray(units, dtype=np.int64).reshape(-1)
-    grouped = group_size > 1
-    examples = (group_size * units[:, None] + np.arange(group_size)).reshape(-1)
-    skip = np.zeros(len(examples), dtype=np.int64)  # leading tokens a sequence takes from the one before it
-    if grouped and prefix is not None:
-        skip.reshape(-1, group_size)[:, 1:] = prefix[units, None]
+    bounds = unit_offsets(data, group_size)
+    sizes = bounds[units + 1] - bounds[units]
+    examples = np.arange(sizes.sum(), dtype=np.int64) + np.repeat(bounds[units] - np.cumsum(sizes) + sizes, sizes)
+    skip = np.zeros(len(examples), dtype=np.int64) if prefix is None else prefix[examples]  # taken from the one before
+    grouped = group_size > 1 or bool(skip.any())  # target triples: a shared row may predict several tokens
     # Per sequence: its tokens, mask, and `rows`, where each of its positions sits in the stream. A shared
     # later sequence appends only its rest; its rows start with the group's prompt rows.
     stream, positions, q_lens, rows, tokens, masks, T = [], [], [], [], [], [], 0
@@ -225,7 +268,8 @@ def make_batch(data, units, group_size=1, prefix=None):
         target_rows=None if target_rows is None else as_long(target_rows), seq_ids=as_long(seq_ids),
         position_ids=as_long(cat(positions)), cu_seqlens=torch.from_numpy(np.cumsum([0] + q_lens).astype(np.int32)),
         max_seqlen=max(q_lens), kv=kv, units=as_long(units), num_sequences=n_seq,
-        num_groups=len(units) if grouped else 0, num_tokens=n_tok, num_target_tokens=len(target_seq), num_padding=n_pad)
+        num_groups=len(units) if group_size > 1 else 0, num_tokens=n_tok, num_target_tokens=len(target_seq),
+        num_padding=n_pad)
 
 
 @dataclass
@@ -235,6 +279,7 @@ class Step:
     num_examples: int         # sequences in the step (DPO: 2 * num_groups)
     num_groups: int           # groups (DPO pairs) in the step (0 for SFT)
     num_target_tokens: int    # tokens with a label in the step
+    num_tokens_unshared: int  # tokens of its sequences laid out whole, each on its own
     units: np.ndarray         # the step's units, all ranks
     state: dict               # loader state that resumes right after this step
 
@@ -242,7 +287,8 @@ class Step:
 class PackedLoader:
     """One Step per optimizer step, forever (len() = steps per epoch). Step k of epoch e holds the units
     perm[k*B:(k+1)*B] of a permutation seeded by (seed, e): a step's data never depends on world_size or
-    microbatch_tokens, so a run resumes on another number of GPUs. Each rank packs a near-equal share (rank_bins).
+    microbatch_tokens, so a run resumes on another number of GPUs. Each rank packs a near-equal share (rank_bins) of
+    the units' pieces (layout: a conversation too long for one micro-batch is cut between its turn examples).
     state_dict() is the state after the last step returned (or step.state of a step in hand)."""
 
     def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0, group_size=1,
@@ -251,9 +297,12 @@ class PackedLoader:
         self.data, self.batch_size, self.microbatch_tokens = data, batch_size, microbatch_tokens
         self.context = context  # context parallel (context.py): rank/world are the data-parallel ones; this cuts slices
         self.rank, self.world_size, self.seed, self.group_size = rank, world_size, seed, group_size
-        self.prefix = shared_prefixes(data, group_size) if group_size > 1 and prefix_sharing else None
-        self.lengths = unit_lengths(data, group_size, self.prefix)  # (U,) tokens per unit, as computed
-        self.targets = target_counts(data).reshape(-1, group_size).sum(1)  # (U,) target tokens per unit
+        self.layout, self.prefix, self.piece_lengths, self.pieces = layout(data, microbatch_tokens, group_size,
+                                                                           prefix_sharing)
+        bounds = unit_offsets(data, group_size)
+        self.lengths = per_unit(self.piece_lengths, self.pieces)  # (U,) tokens per unit, as computed
+        self.targets = per_unit(target_counts(data), bounds)  # (U,) target tokens per unit
+        self.sizes, self.whole = np.diff(bounds), unit_lengths(data, group_size)  # (U,) sequences, tokens if whole
         self.steps_per_epoch = -(-len(self.lengths) // batch_size)
         self.epoch, self.step, self.perm_epoch = 0, 0, None
 
@@ -270,13 +319,15 @@ class PackedLoader:
             self.perm = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.lengths))
             self.perm_epoch = self.epoch
         units = self.perm[self.step * self.batch_size:(self.step + 1) * self.batch_size]  # all ranks' units
-        bins = rank_bins(units, self.lengths, self.microbatch_tokens, self.rank, self.world_size)
-        micro = [make_batch(self.data, b, self.group_size, self.prefix) for b in bins]
+        pieces = np.concatenate([np.arange(self.pieces[u], self.pieces[u + 1]) for u in units.tolist()])
+        bins = rank_bins(pieces, self.piece_lengths, self.microbatch_tokens, self.rank, self.world_size)
+        micro = [make_batch(self.layout, b, self.group_size, self.prefix) for b in bins]
         micro = micro if self.context is None else [self.context.split(mb) for mb in micro]
         self.step += 1
-        return Step(microbatches=micro, num_examples=len(units) * self.group_size,
+        return Step(microbatches=micro, num_examples=int(self.sizes[units].sum()),
                     num_groups=len(units) if self.group_size > 1 else 0,
-                    num_target_tokens=int(self.targets[units].sum()), units=units, state=self.state_dict())
+                    num_target_tokens=int(self.targets[units].sum()),
+                    num_tokens_unshared=int(self.whole[units].sum()), units=units, state=self.state_dict())
 
     def state_dict(self):
         return dict(epoch=self.epoch, step=self.step, seed=self.seed, batch_size=self.batch_size,

@@ -102,8 +102,9 @@ ref_mode = "none" if loss_type == "simpo" else (reference if reference != "auto"
                                                 "adapters_off" if lora_rank else "cached")
 print0(f"DPO: {loss_type} loss, beta {beta}, reference {ref_mode}")
 if loader.prefix is not None:  # what computing each shared prompt once saves, over the train split
-    print0(f"prefix sharing: {(loader.prefix > 0).sum():,} of {len(loader.prefix):,} pairs share a prefix (mean "
-           f"{loader.prefix.mean():.1f} tokens): {int(run.train_data['offsets'][-1]):,} -> {loader.lengths.sum():,} "
+    shared = loader.prefix[1::2]  # each pair's rejected: what it shares with its chosen
+    print0(f"prefix sharing: {(shared > 0).sum():,} of {len(shared):,} pairs share a prefix (mean "
+           f"{shared.mean():.1f} tokens): {int(run.train_data['offsets'][-1]):,} -> {loader.lengths.sum():,} "
            f"tokens per epoch")
 logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
                        resume_iter=iter_num if init_from == "resume" else None)

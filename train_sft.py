@@ -20,7 +20,7 @@ import data.arithmetic as builtin_task
 from checkpoint import export_hf, save_checkpoint
 from configurator import configure
 from metrics import MetricsLogger, Throughput, Timer, format_eta
-from packing import IGNORE_INDEX, make_batch, rank_bins
+from packing import IGNORE_INDEX, layout, make_batch, rank_bins
 from parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
 
 # -----------------------------------------------------------------------------
@@ -38,7 +38,8 @@ overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and p
 bad_records = "error"  # records only: one that fails to parse or render: 'error' (all counted, then stop) or 'skip'
 chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
 reasoning_turns = "conversation"  # records: 'each' also trains every turn rendered without its reasoning on its own
-batch_size = 32  # examples per optimizer step, all ranks together
+prefix_sharing = True  # 'each': a conversation's turn examples travel together, the history they share computed once
+batch_size = 32  # examples per optimizer step, all ranks together ('each': conversations)
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
 context_parallel = 1  # ranks splitting each micro-batch's tokens (a sequence up to this x microbatch_tokens long)
 max_iters = 1100  # optimizer steps; 0 = `epochs` passes over the data
@@ -105,12 +106,12 @@ def evaluate():
     printed and logged. Every rank runs the same number of forwards (FSDP's all-gathers are collectives)."""
     model.eval()
     out = {}
-    lengths = np.diff(np.asarray(run.val_data["offsets"]))
+    val, prefix, lengths, _ = val_layout  # as training lays out its split
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     n_targets = 0
     for units in rank_bins(np.arange(len(lengths)), lengths, microbatch_tokens * context_parallel, run.cp.data_rank,
                            run.cp.data_size):
-        mb = run.cp.split(make_batch(run.val_data, units))
+        mb = run.cp.split(make_batch(val, units, 1, prefix))
         n_targets += mb.num_target_tokens
         mb = mb.to(device)
         with run.autocast:
@@ -132,10 +133,15 @@ def evaluate():
 
 
 # ---- the loop
+val_layout = layout(run.val_data, microbatch_tokens * context_parallel, 1, prefix_sharing)
+if loader.prefix is not None:  # reasoning_turns='each': what computing each conversation's history once saves
+    print0(f"prefix sharing: {int(loader.whole.sum()):,} tokens laid out whole -> {int(loader.lengths.sum()):,} "
+           f"computed ({loader.whole.sum() / loader.lengths.sum():.2f}x fewer)")
 timer = Timer(device)
 meter = Throughput(raw_model, device, world_size)  # tokens, padding, FLOPs since the last log line
 loss_acc = torch.zeros((), device=device, dtype=torch.float64)  # summed (weighted) token loss since the last log line
 normaliser_window = 0  # what loss_acc is divided by: target tokens, or examples with loss_weighting='sequence'
+unshared_window = 0  # tokens of the window's sequences laid out whole (prefix sharing computes fewer)
 eval_seconds = 0.0  # evaluation inside a log window is not training time
 start_iter, last_log_iter, t_start = iter_num, iter_num, time.perf_counter()
 while iter_num < max_iters:
@@ -145,6 +151,7 @@ while iter_num < max_iters:
     normaliser = step.num_examples if loss_weighting == "sequence" else step.num_target_tokens
     mbs = [mb.to(device) for mb in step.microbatches]
     meter.count(step.microbatches, data_time=time.perf_counter() - t0)
+    unshared_window += step.num_tokens_unshared
     step_loss, step_loss_sum = (torch.zeros((), device=device, dtype=torch.float64) for _ in range(2))
     for i, mb in enumerate(mbs):
         with sync_gradients(model, enabled=i == len(mbs) - 1):
@@ -167,12 +174,15 @@ while iter_num < max_iters:
         perf, (loss_total,) = meter.read(elapsed, iter_num - last_log_iter, [loss_acc.item()])  # normaliser: global
         eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
         metrics = dict(iter=iter_num, loss=loss_total / normaliser_window if normaliser_window else float("nan"), lr=lr,
-                       grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps, **perf)
+                       grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps,
+                       tokens_unshared=unshared_window / (iter_num - last_log_iter), **perf)
+        shared = f" | tokens {perf['tokens']:,.0f} (unshared {metrics['tokens_unshared']:,.0f})" * (
+            loader.prefix is not None)
         print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | lr {lr:.2e} | grad norm "
-               f"{metrics['grad_norm']:.2f} | {meter.line(metrics)} | eta {format_eta(eta)}")
+               f"{metrics['grad_norm']:.2f} | {meter.line(metrics)}{shared} | eta {format_eta(eta)}")
         logger.log(metrics)
         loss_acc.zero_()
-        last_log_iter, normaliser_window = iter_num, 0
+        last_log_iter, normaliser_window, unshared_window = iter_num, 0, 0
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         save_checkpoint(run, iter_num, step.state, config, extra={}, evaluation=evaluate())

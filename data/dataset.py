@@ -11,7 +11,7 @@ import torch.distributed as dist
 from data.arithmetic import prepare_builtin, rl_prompts
 from data.prepare import as_messages, load, peek_kind, prepare, read_meta, template_inputs
 from data.records import DataError, data_files, read_records
-from packing import shared_prefixes, unit_lengths
+from packing import layout
 from parallel import is_master, print0
 
 NEEDS = dict(sft="messages", dpo="chosen/rejected pairs", rl="prompt records")
@@ -103,8 +103,7 @@ def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix
             raise SystemExit(f"{data_dir}: {split} sequence {i} has {seq_lengths[i]} tokens, more than the model's "
                              f"max_seq_len={model_config.max_seq_len} positions; prepare the data with "
                              f"--max_len={model_config.max_seq_len} (and --overlong=truncate or skip)")
-        prefix = shared_prefixes(data, group_size) if prefix_sharing and group_size > 1 else None
-        lengths = unit_lengths(data, group_size, prefix)
+        _, prefix, lengths, _ = layout(data, budget * context_parallel, group_size, prefix_sharing)  # trees: cut
         if lengths.max() > budget * context_parallel:
             what = {1: "example", 2: "pair (chosen + rejected)"}.get(group_size, "group")
             group = f"{context_parallel} x " * (context_parallel > 1) + f"microbatch_tokens={budget}"

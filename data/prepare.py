@@ -208,13 +208,15 @@ def fit(seqs, kind, where, max_len, overlong):
 
 
 class TokenWriter:
-    """One split's sequences, appended to temporary files; close() turns them into .npy files."""
+    """One split's sequences, appended to temporary files; close() turns them into .npy files. units: each record's
+    sequences are one unit (reasoning_turns='each': a conversation's turn examples), kept in <split>_units.npy."""
 
-    def __init__(self, out_dir, split, vocab_size):
+    def __init__(self, out_dir, split, vocab_size, units=False):
         self.prefix = os.path.join(out_dir, split)
         self.dtype = np.uint16 if vocab_size <= 1 << 16 else np.uint32
         self.ids, self.mask = array("H" if self.dtype == np.uint16 else "I"), array("B")
         self.offsets, self.target_tokens = array("q", [0]), 0
+        self.units = array("q", [0]) if units else None
         assert self.ids.itemsize == np.dtype(self.dtype).itemsize
         self.files = {name: open(f"{self.prefix}_{name}.tmp", "wb") for name in ("ids", "mask")}
 
@@ -225,6 +227,10 @@ class TokenWriter:
         self.target_tokens += sum(mask)
         if len(self.ids) >= 1 << 22:  # bounded memory on files of millions of lines
             self.flush()
+
+    def end_unit(self):
+        if self.units is not None and self.units[-1] < len(self.offsets) - 1:
+            self.units.append(len(self.offsets) - 1)
 
     def flush(self):
         for name, buf in (("ids", self.ids), ("mask", self.mask)):
@@ -242,6 +248,8 @@ class TokenWriter:
             del data
             os.remove(tmp)
         np.save(f"{self.prefix}_offsets.npy", np.frombuffer(self.offsets, dtype=np.int64))
+        if self.units is not None:
+            np.save(f"{self.prefix}_units.npy", np.frombuffer(self.units, dtype=np.int64))
         return dict(sequences=len(self.offsets) - 1, tokens=n, target_tokens=self.target_tokens)
 
     def abort(self):
@@ -259,7 +267,8 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         os.remove(os.path.join(out_dir, "meta.json"))
-    writers = {split: TokenWriter(out_dir, split, tok.vocab_size) for split in ("train", "val")}
+    writers = {split: TokenWriter(out_dir, split, tok.vocab_size, units=reasoning_turns == "each")
+               for split in ("train", "val")}
     kind, first, lengths, longest_example = None, None, array("q"), 0
     status_counts, turn_examples = dict(ok=0, truncated=0, skipped=0), 0
     try:
@@ -283,6 +292,7 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
             for ids, mask in seqs:
                 writers[split].add(ids, mask)
                 lengths.append(len(ids))
+            writers[split].end_unit()
             longest_example = max(longest_example, sum(len(ids) for ids, _ in seqs))
         source = (extra_meta or {}).get("source", out_dir)
         if bad.count and (kind is None or bad.policy == "error"):
@@ -385,10 +395,12 @@ def read_meta(data_dir):
 
 
 def load(data_dir, split):
-    """-> (data, meta): data = {"ids", "offsets", "loss_mask"} as read-only memory maps, the dict packing.py takes."""
+    """-> (data, meta): data = {"ids", "offsets", "loss_mask"} (and "units" where reasoning_turns='each' wrote them) as
+    read-only memory maps, the dict packing.py takes."""
     meta = read_meta(data_dir)  # first: a folder without it is not complete
-    return {key: np.load(os.path.join(data_dir, f"{split}_{name}.npy"), mmap_mode="r")
-            for key, name in (("ids", "ids"), ("offsets", "offsets"), ("loss_mask", "mask"))}, meta
+    names = (("ids", "ids"), ("offsets", "offsets"), ("loss_mask", "mask"), ("units", "units"))
+    return {key: np.load(os.path.join(data_dir, f"{split}_{name}.npy"), mmap_mode="r") for key, name in names
+            if key != "units" or os.path.exists(os.path.join(data_dir, f"{split}_{name}.npy"))}, meta
 
 
 def template_kwargs(text):

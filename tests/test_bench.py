@@ -80,6 +80,16 @@ def test_bench_rl_smoke():
 
 
 @pytest.mark.slow
+def test_bench_trees_smoke():
+    """Both layouts of a 3-turn trace run; the tree computes fewer tokens for the same loss."""
+    out = run("bench/bench_trees.py", "--turns=3", "--preset=tiny", "--prompt=20")
+    rows = {r[2].strip(): r for r in (l.split("|") for l in out.splitlines() if l.startswith("| 3 |"))}
+    assert set(rows) == {"expanded", "tree"}, out
+    tokens = {k: int(r[3].replace(",", "")) for k, r in rows.items()}
+    assert tokens["tree"] < tokens["expanded"] and rows["tree"][9] == rows["expanded"][9], out
+
+
+@pytest.mark.slow
 def test_bench_scale_smoke():
     out = run("bench/bench_scale.py", "--preset", "tiny", "--world_sizes", "1,2")
     rows = [l for l in out.splitlines() if l.startswith(("| 1 |", "| 2 |"))]

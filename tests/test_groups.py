@@ -28,7 +28,8 @@ MODELS = {"gqa": dict(), "window": dict(sliding_window=6)}  # window 6: shorter 
 
 
 def make_groups(shape, k, seed=0):
-    """-> prompts (3 lists), replies (3 lists of k lists), and the prefix each group must share."""
+    """-> prompts (3 lists), replies (3 lists of k lists), and what each sequence must share with the one before it
+    in its group (counted here token by token: at most all of the one before, and all of itself but a token)."""
     rng = np.random.default_rng(seed)
     (p_lo, p_hi), (r_lo, r_hi) = SHAPES[shape] or ((4, 15), (3, 9))
     prompts, replies, expected = [], [], []
@@ -37,14 +38,17 @@ def make_groups(shape, k, seed=0):
         group = [rng.integers(0, VOCAB, int(rng.integers(r_lo, r_hi + 1))).tolist() for _ in range(k)]
         for j, reply in enumerate(group):  # distinct first tokens: the group shares exactly its prompt
             reply[0] = (g * 17 + j) % VOCAB
-        shared = P
         if shape == "replies that begin alike" and k > 1:
             group = [[5, 6, 7] + r for r in group]
-            group[1] = list(group[0])
-            shared = P + 3 if k > 2 else P + len(group[0]) - 1  # k = 2: two identical replies, all but a token
+            group[1] = list(group[0])  # two identical replies: the second shares all of the first but a token
         prompts.append(rng.integers(0, VOCAB, P).tolist())
         replies.append(group)
-        expected.append(0 if k == 1 else shared)
+        seqs = [prompts[-1] + r for r in group]
+        for j, seq in enumerate(seqs):
+            n = 0
+            while j and n < min(len(seq) - 1, len(seqs[j - 1])) and seq[n] == seqs[j - 1][n]:
+                n += 1
+            expected.append(n)
     return prompts, replies, expected
 
 
@@ -98,7 +102,7 @@ def test_group_layout_equals_whole_and_alone(monkeypatch, k, shape, model_kw):
         sums = mb.group_sums(net(**mb.inputs(), logprobs=True), k)  # (3, k), row i = group groups[i]
         runs[name] = (sums.detach(), loss_and_grads(net, sums, advantages))
         if name == "shared":  # the shared tokens really are computed once
-            assert mb.num_tokens == int(np.diff(data["offsets"]).sum() - (k - 1) * prefix.sum())
+            assert mb.num_tokens == int(np.diff(data["offsets"]).sum() - prefix.sum())
             assert (mb.kv is not None) == bool(prefix.any())
     alone = alone_logps(net, data).view(3, k)[groups]
     runs["alone"] = (alone.detach(), loss_and_grads(net, alone, advantages))
@@ -113,7 +117,7 @@ def test_group_data_layout_and_masks():
     assert data["offsets"].tolist() == [0, 5, 9, 13, 16]
     assert data["ids"].tolist() == [1, 2, 3, 7, 8, 1, 2, 3, 9, 4, 10, 11, 12, 4, 13, 14]
     assert data["loss_mask"].tolist() == [0, 0, 0, 1, 1, 0, 0, 0, 1, 0, 1, 0, 1, 0, 0, 1]
-    assert shared_prefixes(data, 2).tolist() == [3, 1]
+    assert shared_prefixes(data, 2).tolist() == [0, 3, 0, 1]
     assert group_data([], [])["offsets"].tolist() == [0]
 
 
@@ -126,7 +130,7 @@ def test_split_logps_packs_whole_groups(k):
     prompts, replies, _ = make_groups("prompt longer than replies", k, seed=1)
     data = group_data(prompts * 2, replies * 2)  # 6 groups
     prefix = shared_prefixes(data, k)
-    lengths = np.diff(data["offsets"]).reshape(-1, k).sum(1) - (k - 1) * prefix  # each prompt once
+    lengths = (np.diff(data["offsets"]) - prefix).reshape(-1, k).sum(1)  # each prompt once
     budget = int(lengths.max())  # tight: a group counted with its prompt more than once would not fit
     assert len(pack(lengths, budget)) > 1
     got = split_logps(net, data, budget, torch.device("cpu"), nullcontext(), prefix, group_size=k)

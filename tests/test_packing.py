@@ -166,14 +166,14 @@ def test_dpo_layout_targets_and_pair_sums(shared):
     assert mb.num_groups == 9 and mb.num_sequences == 18
     examples = [e for p in pairs for e in (2 * p, 2 * p + 1)]
     assert mb.units.tolist() == pairs.tolist()
-    assert mb.num_tokens == int(np.diff(offsets)[examples].sum() - shared * prefix[pairs].sum())
+    assert mb.num_tokens == int(np.diff(offsets)[examples].sum() - shared * prefix[examples].sum())
     # Every sequence is recovered from the stream: its query segment holds its tokens from `skip` on, at
     # positions skip.., and (sharing) its key segment lists the stream rows of all its tokens in order.
     cu, ids, pos = mb.cu_seqlens.tolist(), mb.input_ids.numpy(), mb.position_ids.numpy()
     rows = {}
     for j, e in enumerate(examples):
         x = data["ids"][offsets[e]:offsets[e + 1]]
-        skip = int(prefix[e // 2]) if shared and e % 2 else 0
+        skip = int(prefix[e]) if shared else 0
         assert np.array_equal(ids[cu[j]:cu[j + 1]], x[skip:]) and np.array_equal(pos[cu[j]:cu[j + 1]], np.arange(skip, len(x)))
         if shared:
             cu_k = mb.kv[1].tolist()
@@ -204,15 +204,15 @@ def test_shared_prefixes():
         prompt = rng.integers(0, 3, rng.integers(0, 6))  # a 3-token vocabulary: responses often start alike
         seqs += [np.r_[prompt, rng.integers(0, 3, rng.integers(1, 5))] for _ in range(2)]
     seqs[0], seqs[1] = np.array([5, 6, 7]), np.array([5, 6, 7])  # identical: each keeps its last token
-    seqs[2], seqs[3] = np.array([5, 6]), np.array([5, 6, 7, 8])  # one is a prefix of the other
+    seqs[2], seqs[3] = np.array([5, 6]), np.array([5, 6, 7, 8])  # the chosen a prefix of the rejected: all shared
     data = dict(ids=np.concatenate(seqs), offsets=np.r_[0, np.cumsum([len(s) for s in seqs])])
     expected = []
     for c, r in zip(seqs[0::2], seqs[1::2]):
         n = 0
-        while n < min(len(c), len(r)) - 1 and c[n] == r[n]:
+        while n < min(len(r) - 1, len(c)) and c[n] == r[n]:
             n += 1
-        expected.append(n)
-    assert shared_prefixes(data).tolist() == expected and expected[:2] == [2, 1]
+        expected += [0, n]
+    assert shared_prefixes(data).tolist() == expected and expected[:4] == [0, 2, 0, 2]
 
 
 # ----------------------------------------------------------------------------- PackedLoader

@@ -50,7 +50,7 @@ def pairs_data(spec, seed=0):
     data = dict(ids=np.concatenate(seqs).astype(np.uint16), loss_mask=np.concatenate(masks).astype(np.uint8),
                 offsets=np.r_[0, np.cumsum([len(s) for s in seqs])].astype(np.int64))
     # a sequence's first token is never predicted: a prompt-less pair shares nothing, the rest share the prompt
-    assert shared_prefixes(data).tolist() == [P for P, _, _ in spec]
+    assert shared_prefixes(data).tolist() == [x for P, _, _ in spec for x in (0, P)]
     return data
 
 
