@@ -142,11 +142,9 @@ def steps_of(data, mode, batch_size, budget, n_steps, packed, seed=0, prefix=Non
     """[[micro-batch unit indices]] per step: the same units per step for every configuration. prefix: DPO
     pairs packed by what they compute with their shared prefix computed once."""
     from packing import pack
-    lengths = np.diff(data["offsets"])
+    lengths = np.diff(data["offsets"]) - (0 if prefix is None else prefix)  # what each sequence computes
     if mode == "dpo":
         lengths = lengths.reshape(-1, 2)
-        if prefix is not None:  # the chosen side carries the pair's total for packing: C + R + P - P
-            lengths = lengths - np.c_[prefix, np.zeros_like(prefix)]
     order = np.random.default_rng(seed).permutation(len(lengths))
     steps = []
     for s in range(n_steps):
