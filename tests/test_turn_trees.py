@@ -16,7 +16,6 @@ import sys
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 import kernels
 import model as M
@@ -24,6 +23,7 @@ from conftest import ROOT
 from data.prepare import load, prepare
 from packing import layout, make_batch, rank_bins, shared_prefixes, target_counts, unit_lengths, unit_offsets
 from test_cuda_paths import KINDS, expected_calls, stand_in, use_stand_in
+from test_groups import alone_logps
 from test_reasoning_tools import WEATHER, A, T, U, call
 from test_tokenizer import PRE_TOKENIZERS, chat_folder, real_template, train_hf
 from tokenizer import Tokenizer
@@ -76,17 +76,6 @@ def trees(qwen3, tmp_path_factory):
     prepare(traces_file(tmp / "traces.jsonl", [2, 5, 12]), str(tmp / "data"), tok, val_fraction=0,
             reasoning_turns="each", verbose=False)
     return load(str(tmp / "data"), "train")[0], tok
-
-
-def alone_sums(net, data):
-    """Each example alone through the model, full logits: (N,) summed log-probs of its trained tokens."""
-    out = []
-    for s, t in zip(data["offsets"][:-1], data["offsets"][1:]):
-        ids = torch.from_numpy(data["ids"][s:t].astype(np.int64))
-        mask = torch.from_numpy(data["loss_mask"][s:t].astype(bool))
-        logp = F.log_softmax(net(ids).float(), dim=-1)[:-1].gather(1, ids[1:, None]).squeeze(1)
-        out.append((logp * mask[1:]).sum())
-    return torch.stack(out)
 
 
 def batch_sums(net, data, budget, prefix):
@@ -147,7 +136,7 @@ def test_tree_equals_expanded_and_alone(monkeypatch, trees, model_kw):
     torch.manual_seed(0)
     net = M.Transformer(M.config_from_preset("tiny", vocab_size=tok.vocab_size, max_seq_len=8192, **model_kw))
     weights = torch.rand(len(data["offsets"]) - 1)  # a per-example weight: a swapped example would show
-    alone = loss_and_grads(net, alone_sums(net, data), weights)
+    alone = loss_and_grads(net, alone_logps(net, data), weights)
     big, longest = int(unit_lengths(data).sum()), int(np.diff(data["offsets"]).max())
     assert len(layout(data, longest + 100, 1, True)[2]) > 4  # the small budget cuts the conversations into pieces
     for name, prefix, budget in (("tree", True, big), ("expanded", None, big), ("pieces", True, longest + 100)):
