@@ -199,6 +199,30 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_se
     return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k)
 
 
+class BottomRight(torch.autograd.Function):
+    """CPU attention of the last Lq of Lk queries, exact in O(Lq x Lk): the keys before them unmasked, their own causal,
+    two flash calls merged by log-sum-exp; each part's backward with the merged output and log-sum-exp is the whole
+    softmax's gradient for that part's keys (as ring attention's)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        h, flash = k.shape[2] - q.shape[2], torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        (oa, la), (ob, lb) = (flash(q, k[:, :, :h], v[:, :, :h], 0.0, False),
+                              flash(q, k[:, :, h:], v[:, :, h:], 0.0, True))
+        lse = torch.logaddexp(la, lb)  # float32 for half precision, as the kernel's
+        o = sum(x.to(lse.dtype) * (l - lse).exp()[..., None] for x, l in ((oa, la), (ob, lb))).to(q.dtype)
+        ctx.save_for_backward(q, k, v, o, lse)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        h, back = k.shape[2] - q.shape[2], torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        (dqa, dka, dva), (dqb, dkb, dvb) = (back(do, q, k[:, :, :h], v[:, :, :h], o, lse, 0.0, False),
+                                            back(do, q, k[:, :, h:], v[:, :, h:], o, lse, 0.0, True))
+        return dqa + dqb, torch.cat([dka, dkb], 2), torch.cat([dva, dvb], 2)
+
+
 @torch.compiler.disable  # a Python loop over a data-dependent number of sequences: run eagerly, never traced
 def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=None):
     """Exact fallback for any device: one SDPA call per sequence, memory O(max L^2), not O(T^2)."""
@@ -213,12 +237,8 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=Non
         qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
         Lq, Lk = qi.shape[2], ki.shape[2]
         mask = None
-        if Lq != Lk and (sliding_window is None or Lk <= sliding_window):
-            # the last Lq of Lk queries: zero queries in front make SDPA's top-left is_causal the bottom right, on its
-            # fast kernels (a mask takes CPU's O(Lq x Lk) math path); their rows are dropped, so is their gradient
-            pad = qi.new_zeros(1, qi.shape[1], Lk - Lq, qi.shape[3])
-            o = F.scaled_dot_product_attention(torch.cat([pad, qi], 2), ki, vi, is_causal=True)[:, :, Lk - Lq:]
-            outs.append(o[0].transpose(0, 1))
+        if Lq != Lk and (sliding_window is None or Lk <= sliding_window) and q.device.type == "cpu":
+            outs.append(BottomRight.apply(qi, ki, vi)[0].transpose(0, 1))  # a mask takes CPU's O(Lq x Lk) math path
             continue
         if Lq != Lk or (sliding_window is not None and Lk > sliding_window):
             # SDPA's is_causal aligns at the top left; queries are the last Lq of the Lk keys (bottom right)

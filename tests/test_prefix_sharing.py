@@ -122,6 +122,26 @@ def test_window_reaches_into_the_prompt():
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)  # float64: the same sums up to rounding
 
 
+@pytest.mark.parametrize("R,P", [(1, 4), (3, 9), (64, 200), (200, 1)])
+def test_bottom_right_attention_on_cpu(R, P):
+    """Queries that are the last R of P + R keys (a reply after its prompt, a branch after its trunk, a CP slice), no
+    window: model.BottomRight's two flash calls merged by log-sum-exp, forward and every gradient, against softmax over
+    a mask written from positions, float64 (the same sums up to rounding)."""
+    torch.manual_seed(R)
+    H, D = 2, 8
+    q = torch.randn(R, H, D, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(P + R, H, D, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    cu_q, cu_k = torch.tensor([0, R], dtype=torch.int32), torch.tensor([0, P + R], dtype=torch.int32)
+    sees = torch.arange(P + R)[None, :] <= torch.arange(P, P + R)[:, None]
+    scores = torch.einsum("qhd,khd->hqk", q, k) / D ** 0.5
+    expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~sees, -torch.inf).softmax(-1), v)
+    out = M.sdpa_per_sequence(q, k, v, cu_q, None, cu_k)
+    torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
+
+
 def test_flops_count_the_shared_layout():
     """FLOPs per micro-batch: the trunk's matmuls over the tokens computed (P + C + R), attention over the pairs
     of (query, key) actually scored, which for a rejected rest of R queries over P + R keys is R (2P + R) / 2."""
