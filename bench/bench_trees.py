@@ -6,11 +6,14 @@ before it computed once) vs expanded (every example whole). Tokens computed, ste
 median of --rounds), peak memory of a process running only that step.
 
     python bench/bench_trees.py                               # 5, 10, 30 turns, the toy preset, CPU (~10 min)
+    python bench/bench_trees.py --prompt=4000 --turns=5,10 --rounds=3   # an agent's system prompt and tool schemas
     python bench/bench_trees.py --turns=10 --preset=tiny --rounds=5
 
 Synthetic traces (random ids, --seed): a prompt of --prompt tokens, then per turn reasoning of 500-2,000 tokens and a
-reply (with its tool call and result) of 200-800 tokens. Each layout runs in a process of its own (peak RSS: the
-process's, torch and the model included; its baseline printed).
+reply (with its tool call and result) of 200-800 tokens. The tree computes the longest history once and each turn's
+reasoning and reply: what any exact layout must (a reply follows its reasoning in its own example, not in the
+history), so the tokens ratio is (sum of histories + turns) / (longest history + turns). Each layout runs in a
+process of its own (peak RSS: the process's, torch and the model included; its baseline printed).
 """
 
 import argparse
