@@ -103,12 +103,16 @@ def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix
             raise SystemExit(f"{data_dir}: {split} sequence {i} has {seq_lengths[i]} tokens, more than the model's "
                              f"max_seq_len={model_config.max_seq_len} positions; prepare the data with "
                              f"--max_len={model_config.max_seq_len} (and --overlong=truncate or skip)")
-        _, prefix, lengths, _ = layout(data, budget * context_parallel, group_size, prefix_sharing)  # trees: cut
+        cut, prefix, lengths, _ = layout(data, budget * context_parallel, group_size, prefix_sharing)  # trees: cut
         if lengths.max() > budget * context_parallel:
-            what = {1: "example", 2: "pair (chosen + rejected)"}.get(group_size, "group")
+            i, once = int(lengths.argmax()), prefix is not None and "units" not in cut
+            what = {1: "example", 2: "pair (chosen + rejected)"}.get(group_size, "group") + f" ({i})"
+            if "units" in cut:  # turn examples: a piece over the budget is one example, laid out whole
+                i = int(cut["units"][i])
+                what = f"example ({i}, a turn of conversation {np.searchsorted(data['units'], i, 'right') - 1})"
             group = f"{context_parallel} x " * (context_parallel > 1) + f"microbatch_tokens={budget}"
-            raise SystemExit(f"{data_dir}: the longest {split} {what} ({int(lengths.argmax())}) has {lengths.max()} "
-                             f"tokens{' with its prompt once' * (prefix is not None)}, more than {group}; raise "
+            raise SystemExit(f"{data_dir}: the longest {split} {what} has {lengths.max()} "
+                             f"tokens{' with its prompt once' * once}, more than {group}; raise "
                              f"microbatch_tokens to at least {lengths.max()}, split it over GPUs with "
                              f"--context_parallel={-(-lengths.max() // budget)} (torchrun), or prepare the data "
                              f"with a smaller --max_len")

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -20,6 +21,7 @@ import torch
 import kernels
 import model as M
 from conftest import ROOT
+from data.dataset import check_fits
 from data.prepare import load, prepare
 from packing import layout, make_batch, rank_bins, shared_prefixes, target_counts, unit_lengths, unit_offsets
 from test_cuda_paths import KINDS, expected_calls, stand_in, use_stand_in
@@ -156,6 +158,21 @@ def test_the_cross_entropy_path_and_sequence_weighting(trees):
         weights = 1.0 / torch.cat([per_seq, per_seq.new_ones(1)])[mb.seq_ids]
         out[name] = [net(**mb.inputs())[0].detach(), net(**mb.inputs(), loss_weights=weights)[0].detach()]
     torch.testing.assert_close(out["tree"], out["expanded"], atol=1e-3, rtol=1e-6)
+
+
+def test_an_example_over_the_budget_is_named_as_in_the_data(trees):
+    """A turn example longer than a micro-batch stops the run naming it (its index, its conversation) and its length,
+    not the piece the layout cut its conversation into."""
+    data, tok = trees
+    lengths = np.diff(data["offsets"])
+    longest, budget = int(lengths.argmax()), int(lengths.max()) - 1
+    assert layout(data, budget, 1, True)[2].argmax() != longest  # pieces of several examples come before it
+    conversation = int(np.searchsorted(data["units"], longest, "right")) - 1
+    model_config = SimpleNamespace(vocab_size=tok.vocab_size, max_seq_len=1 << 16)
+    for prefix_sharing in (True, False):
+        with pytest.raises(SystemExit, match=rf"example \({longest}, a turn of conversation {conversation}\) has "
+                                             rf"{lengths.max()} tokens, more than microbatch_tokens={budget};"):
+            check_fits(model_config, tok, "out/data", dict(train=data), budget, 1, prefix_sharing)
 
 
 def sft(tmp_path, name, data, *extra, nproc=1):
