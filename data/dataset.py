@@ -84,6 +84,20 @@ def load_data(data_dir, tok):
     return train, load(data_dir, "val")[0]
 
 
+def turn_examples_note(data_dir, train, reasoning_turns):
+    """-> a note where the token files lack the turn examples the run asks for (reasoning_turns: the run's), or
+    where they hold them but not travelling together (an earlier version); else ''."""
+    prepared_with = read_meta(data_dir).get("reasoning_turns", "conversation") if data_dir else reasoning_turns
+    if prepared_with == "each" and "units" not in train:  # token files of an earlier version
+        return (f"note: {data_dir} was prepared before turn examples travelled together: each is packed on its own; "
+                f"re-prepare it (a new out_dir, or delete {data_dir}) to compute a conversation's history once")
+    if reasoning_turns == "each" and prepared_with != "each":  # a prepared folder, or a resumed run's data
+        return (f"note: reasoning_turns='each' is ignored: {data_dir} was prepared with "
+                f"reasoning_turns={prepared_with!r} (meta.json), so it holds no turn examples; prepare the records "
+                f"again with --reasoning_turns=each")
+    return ""
+
+
 def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix_sharing=False, context_parallel=1):
     """Refuse at load time, not iterations later: a tokenizer larger than the embedding table, a sequence longer than
     the model's positions, a unit (example, pair or group, a shared prompt once) over a micro-batch (of a CP group)."""

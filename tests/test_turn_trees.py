@@ -21,7 +21,7 @@ import torch
 import kernels
 import model as M
 from conftest import ROOT
-from data.dataset import check_fits
+from data.dataset import check_fits, turn_examples_note
 from data.prepare import load, prepare
 from packing import layout, make_batch, rank_bins, shared_prefixes, target_counts, unit_lengths, unit_offsets
 from test_cuda_paths import KINDS, expected_calls, stand_in, use_stand_in
@@ -173,6 +173,25 @@ def test_an_example_over_the_budget_is_named_as_in_the_data(trees):
         with pytest.raises(SystemExit, match=rf"example \({longest}, a turn of conversation {conversation}\) has "
                                              rf"{lengths.max()} tokens, more than microbatch_tokens={budget};"):
             check_fits(model_config, tok, "out/data", dict(train=data), budget, 1, prefix_sharing)
+
+
+def test_a_note_where_the_token_files_lack_travelling_turn_examples(qwen3, tmp_path):
+    """Token files of 'each' without <split>_units.npy (an earlier version) get a note whatever the run says; files
+    prepared without turn examples, under a run that asks for them, get a note that the setting is ignored."""
+    _, tok = qwen3
+    records = traces_file(tmp_path / "traces.jsonl", [3])
+    for turns in ("each", "conversation"):
+        prepare(records, str(tmp_path / turns), tok, val_fraction=0, reasoning_turns=turns, verbose=False)
+    each, conversation = (load(str(tmp_path / turns), "train")[0] for turns in ("each", "conversation"))
+    assert "units" in each and "units" not in conversation
+    older = {k: v for k, v in each.items() if k != "units"}
+    for asked in ("each", "conversation"):
+        assert turn_examples_note(str(tmp_path / "each"), each, asked) == ""
+        assert "prepared before turn examples travelled together" in turn_examples_note(
+            str(tmp_path / "each"), older, asked)
+    assert turn_examples_note(str(tmp_path / "conversation"), conversation, "conversation") == ""
+    assert "reasoning_turns='each' is ignored" in turn_examples_note(str(tmp_path / "conversation"), conversation,
+                                                                     "each")
 
 
 def sft(tmp_path, name, data, *extra, nproc=1):
