@@ -115,7 +115,7 @@ class ChatTemplate:
         try:
             text = self.jinja.render(messages=messages, tools=tools, documents=None, **{
                 **self.variables, **(kwargs or {}), "add_generation_prompt": add_generation_prompt})
-        except jinja2.TemplateError as e:  # raise_exception(...) in the template, an undefined name, ...
+        except (jinja2.TemplateError, TypeError) as e:  # raise_exception(...), an undefined name, a dict + a string
             raise ValueError(f"{self.where}: the template cannot render this conversation: "
                              f"{' '.join(str(e).split())}") from None
         parts = re.split(f"[{''.join(GENERATION)}]", text)  # outside a block, inside, outside, ...

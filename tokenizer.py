@@ -196,8 +196,12 @@ class Tokenizer:
         if self.template != "model":
             return [self.render(messages, tools=tools, **kwargs)]
         kwargs, ct, (messages, trained) = {**self.chat_template_kwargs, **kwargs}, self.chat_template, weighed(messages)
-        text = ct.render(messages, False, tools, kwargs)
-        own = [i for i in trained if not text.startswith(ct.render(messages[:i + 1], False, tools, kwargs))]
+        try:
+            text = ct.render(messages, False, tools, kwargs)
+            own = [i for i in trained if not text.startswith(ct.render(messages[:i + 1], False, tools, kwargs))]
+        except ValueError:
+            self._render_model(messages, False, trained, tools, kwargs)  # the fields' error first, as render's
+            raise
         rest = [i for i in trained if i not in own]
         whole = [self._render_model(messages, False, rest, tools, kwargs)]  # checks the fields first
         return [self._render_model(messages[:i + 1], False, [i], tools, kwargs, check=False) for i in own] + whole * (

@@ -334,19 +334,27 @@ BAD = {  # case -> (folder, record, regex after 'chats.jsonl:2: ')
                                 r".*: the template cannot render this conversation: System role not supported"),
     "two calls for Llama": ("llama3.1", dict(messages=[U("hi"), A(tool_calls=[call("f", {}), call("g", {})])]),
                             r".*: the template cannot render this conversation: This model only supports single tool"),
+    "arguments DeepSeek-R1 adds to a string": (  # a Python error inside the template, not a TemplateError
+        "deepseek-r1", dict(messages=[U("hi"), A("", tool_calls=[call("f", {"x": 1})]), T("1"), A("ok")]),
+        r".*: the template cannot render this conversation: can only concatenate str \(not \"dict\"\) to str"),
+    "tools Gemma never reads, and a tool turn": (  # each turn rendered alone: the fields' error first, as whole
+        "gemma2", dict(messages=[U("hi"), A("x"), T("out"), A("ok")], tools=[WEATHER]),
+        r".*: the template reads no variable 'tools'"),
 }
 
 
 @pytest.mark.parametrize("case", list(BAD))
 def test_what_a_template_cannot_render_is_one_line(folders, tmp_path, case):
+    """The same line whether the conversation is rendered whole or also up to each turn (reasoning_turns='each')."""
     folder, record, message = BAD[case]
     path = tmp_path / "chats.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in (dict(messages=[U("hi"), A("ok")]), record)))
-    with pytest.raises(DataError, match=rf"chats\.jsonl:2: {message}") as e:
-        prepare(str(path), str(tmp_path / "out"), folders[folder][1], verbose=False)
-    assert "\n" not in str(e.value)
-    assert not os.path.exists(tmp_path / "out" / "meta.json")
-    assert not [f for f in os.listdir(tmp_path / "out") if f.endswith(".tmp")]
+    for turns in ("conversation", "each"):
+        with pytest.raises(DataError, match=rf"chats\.jsonl:2: {message}") as e:
+            prepare(str(path), str(tmp_path / "out"), folders[folder][1], verbose=False, reasoning_turns=turns)
+        assert "\n" not in str(e.value)
+        assert not os.path.exists(tmp_path / "out" / "meta.json")
+        assert not [f for f in os.listdir(tmp_path / "out") if f.endswith(".tmp")]
 
 
 def test_dpo_pairs_with_reasoning_and_tool_calls(folders, tmp_path):
