@@ -93,8 +93,8 @@ def turn_examples_note(data_dir, train, reasoning_turns):
                 f"re-prepare it (a new out_dir, or delete {data_dir}) to compute a conversation's history once")
     if reasoning_turns == "each" and prepared_with != "each":  # a prepared folder, or a resumed run's data
         return (f"note: reasoning_turns='each' is ignored: {data_dir} was prepared with "
-                f"reasoning_turns={prepared_with!r} (meta.json), so it holds no turn examples; prepare the records "
-                f"again with --reasoning_turns=each")
+                f"reasoning_turns={prepared_with!r} (its meta.json), so it holds no turn examples; it applies where "
+                f"records are prepared (data=<records>, or data/prepare.py --reasoning_turns=each)")
     return ""
 
 
