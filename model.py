@@ -273,6 +273,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, k, *rope, position_ids)
+        q, k = q.to(v.dtype), k.to(v.dtype)  # under autocast float32 norm weights promote q, k; SDPA's autocast casts
         if kv is not None:  # a key stream of its own: e.g. the shared prompt's keys again for a rejected response
             if len(kv) > 3:  # context parallel: kv_index reads K/V all-gathered over the group kv[3] (context.py)
                 k, v = kv[3].gather(torch.cat([k, v], 1)).chunk(2, 1)  # one collective for both

@@ -160,6 +160,28 @@ def test_the_cross_entropy_path_and_sequence_weighting(trees):
     torch.testing.assert_close(out["tree"], out["expanded"], atol=1e-3, rtol=1e-6)
 
 
+def test_qk_norm_under_bf16_autocast(monkeypatch, trees):
+    """Qwen3's q and k norms (float32 weights) under bf16 autocast: attention gets q, k and v in bfloat16, as SDPA's
+    autocast casts them (so the CUDA dispatch picks a flash kernel, and CPU's BottomRight, raw flash ops, takes the
+    tree); its sums are the expanded layout's up to bf16 rounding (exactness: the float32 tests above)."""
+    data, tok = trees
+    torch.manual_seed(0)
+    net = M.Transformer(M.config_from_preset("tiny", vocab_size=tok.vocab_size, max_seq_len=8192, arch="qwen3",
+                                             qk_norm=True))
+    seen, attention = set(), M.varlen_attention
+    monkeypatch.setattr(M, "varlen_attention", lambda q, k, v, *a: seen.add((q.dtype, k.dtype, v.dtype)) or
+                        attention(q, k, v, *a))
+    sums = {}
+    for name, prefix in (("tree", shared_prefixes(data)), ("expanded", None)):
+        mb = make_batch(data, [1], 1, prefix)  # the 5-turn trace
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            sums[name] = mb.sequence_sums(net(**mb.inputs(), logprobs=True)).float()
+        sums[name].sum().backward()
+    assert seen == {(torch.bfloat16,) * 3}
+    # bf16 keeps ~3 significant digits: sums of a few hundred log-probs agree to ~1%, a dropped turn moves them 10%+
+    torch.testing.assert_close(sums["tree"], sums["expanded"], rtol=1e-2, atol=0)
+
+
 def test_an_example_over_the_budget_is_named_as_in_the_data(trees):
     """A turn example longer than a micro-batch stops the run naming it (its index, its conversation) and its length,
     not the piece the layout cut its conversation into."""
