@@ -270,7 +270,7 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
     writers = {split: TokenWriter(out_dir, split, tok.vocab_size, units=reasoning_turns == "each")
                for split in ("train", "val")}
     kind, first, lengths, longest_example = None, None, array("q"), 0
-    status_counts, turn_examples = dict(ok=0, truncated=0, skipped=0), 0
+    status_counts, turn_examples, turns_dropped = dict(ok=0, truncated=0, skipped=0), 0, 0
     try:
         for where, split, record in items:
             try:
@@ -286,8 +286,9 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
                                 f"{first} — keep SFT and DPO data in separate files")
             if kind == "dpo" and reasoning_turns == "each":
                 raise DataError(f"{where}: reasoning_turns='each' is for SFT conversations, and this is a DPO pair")
-            seqs, status = fit(seqs, kind, where, max_len, overlong)
+            rendered, (seqs, status) = len(seqs), fit(seqs, kind, where, max_len, overlong)
             status_counts[status] += 1
+            turns_dropped += (rendered - len(seqs)) * (status == "truncated")  # 'each': nothing left to train
             turn_examples += max(len(seqs) - 1, 0) * (kind == "sft")
             for ids, mask in seqs:
                 writers[split].add(ids, mask)
@@ -311,9 +312,10 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
                 bos_id=tok.bos_id, eos_id=tok.eos_id, dtype=np.dtype(writers["train"].dtype).name,
                 max_len=max_len, overlong=overlong, truncated=status_counts["truncated"],
                 skipped=status_counts["skipped"], counts=counts, length_min_median_p99_max=q,
-                longest_example=longest_example,  # DPO: chosen + rejected; packing needs a budget >= this
+                longest_example=longest_example,  # DPO: chosen + rejected, a budget >= this; 'each': a conversation's
                 chat_template_kwargs=tok.chat_template_kwargs, escape_special_text=tok.escape_special_text,
-                reasoning_turns=reasoning_turns, turn_examples=turn_examples, bad_records=bad.policy,
+                reasoning_turns=reasoning_turns, turn_examples=turn_examples, turn_examples_dropped=turns_dropped,
+                bad_records=bad.policy,
                 bad_records_skipped=bad.count, bad_records_named=bad.named, **(extra_meta or {}))
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
@@ -323,14 +325,16 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
         print(f"wrote {out_dir}: {kind}, {', '.join(sizes)}")
         print("sequence length in tokens: min {:,} median {:,} p99 {:,} max {:,}".format(*q)
               + (f"; longest pair {longest_example:,}" if kind == "dpo" else ""))
-        print(f"longer than max_len={max_len}: {meta['truncated']:,} truncated, {meta['skipped']:,} skipped "
+        dropped = f" ({turns_dropped:,} turn examples cut to nothing trained, dropped)" * (turns_dropped > 0)
+        print(f"longer than max_len={max_len}: {meta['truncated']:,} truncated{dropped}, {meta['skipped']:,} skipped "
               f"(--overlong {overlong})")
         if bad.count:
             print(f"bad records: {bad.count:,} skipped (--bad_records skip), the first {len(bad.named)}:\n  "
                   + "\n  ".join(bad.named))
         if reasoning_turns == "each":
-            print(f"reasoning_turns='each': {turn_examples:,} more examples, each an assistant turn the conversation "
-                  f"renders without its reasoning, trained as the last turn of the conversation up to it")
+            print(f"reasoning_turns='each': {turn_examples:,} more example{'s' * (turn_examples != 1)}, each an "
+                  f"assistant turn the conversation renders without its reasoning, trained as the last turn of the "
+                  f"conversation up to it")
         if counts["val"]["examples"] == 0 and meta.get("val_fraction"):
             print("note: the val split is empty (raise --val_fraction for a small file)")
     return meta

@@ -282,6 +282,11 @@ def test_reasoning_turns_each(folders, tmp_path, capsys):
     assert "reasoning_turns='each': 2 more examples" in capsys.readouterr().out
     data, _ = load(str(tmp_path / "each"), "train")
     assert np.array_equal(data["ids"][:data["offsets"][3]], np.concatenate([ids for ids, _ in examples]))
+    # truncation that leaves a turn example nothing to train drops it, counted (the conversation: truncated)
+    meta = prepare(str(path), str(tmp_path / "cut"), ours, val_fraction=0, reasoning_turns="each",
+                   max_len=len(examples[0][0]), overlong="truncate")
+    assert (meta["truncated"], meta["turn_examples_dropped"], meta["counts"]["train"]["examples"]) == (1, 2, 2)
+    assert "1 truncated (2 turn examples cut to nothing trained, dropped)" in capsys.readouterr().out
     training = folders["qwen3_training"][1]
     assert len(training.render_turns(REASONING)) == 1
     with pytest.raises(DataError, match="reasoning_turns='each' is for SFT conversations"):
