@@ -20,8 +20,8 @@ import unicodedata
 import regex  # tiktoken's own dependency; the same split regexes, for text with unspellable bytes
 import tiktoken
 
-from chat_template import (ROLES, TEMPLATES, ChatTemplate, guess_template, map_values, read_chat_template,
-                           token_text)
+from chat_template import (REASONING_FIELDS, ROLES, TEMPLATES, ChatTemplate, guess_template, map_values,
+                           read_chat_template, token_text)
 
 BYTE_SPECIALS = ["<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 256..260
 # split regexes (tiktoken's regex dialect, same as the Hugging Face tokenizers one for these)
@@ -35,6 +35,15 @@ LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_t
 LLAMA3_NUM_SPECIALS = 256
 # what a model may emit to end its output besides the end-of-turn token (a base model's end of text)
 END_OF_TEXT = ["<|end_of_text|>", "<|eom_id|>", "<|endoftext|>"]
+
+
+def reasoning_of(message):
+    """A message's reasoning: its reasoning field, else what its content has before </think> (DeepSeek-R1's form)."""
+    field = next((message[k] for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
+    content = message.get("content")
+    if field is None and isinstance(content, str) and "</think>" in content:
+        return content.split("</think>")[0].replace("<think>", "")
+    return field or ""
 
 
 class Tokenizer:
@@ -63,6 +72,7 @@ class Tokenizer:
         self.unk_id, self.fuse_unk = unk, fuse_unk  # what tokenizers emits for a byte it cannot spell
         self._trusted_cache = {}
         self.chat_template_kwargs, self.escape_special_text = {}, False
+        self.reasoning_unwritten = 0  # trained assistant turns whose reasoning a rendering leaves out
         if template == "model":
             if chat_template is None:
                 raise ValueError(f"{name}: template 'model' asks for the folder's own chat template, and it has none "
@@ -225,6 +235,9 @@ class Tokenizer:
         left, right, mark = itertools.islice(free, 3)
         args, blocks = (add_generation_prompt, tools, kwargs), []
         text = ct.render(messages, *args, blocks)
+        plain = re.sub(r"\s+", "", text)  # templates strip and indent; the words stay
+        self.reasoning_unwritten += sum(re.sub(r"\s+", "", r) not in plain for r in (
+            reasoning_of(messages[i]) for i in trained if messages[i]["role"] == "assistant") if r)
         if self.escape_special_text:
             whole, escaped = re.compile(f"{left}({self._special_re.pattern}){right}"), []
 

@@ -271,6 +271,7 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
                for split in ("train", "val")}
     kind, first, lengths, longest_example = None, None, array("q"), 0
     status_counts, turn_examples, turns_dropped = dict(ok=0, truncated=0, skipped=0), 0, 0
+    unwritten = getattr(tok, "reasoning_unwritten", 0)  # the tokenizer counts; this file's own from here
     try:
         for where, split, record in items:
             try:
@@ -301,6 +302,7 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
         if kind is None:
             raise DataError(f"{source}: no examples found — is the file empty?")
         counts = {split: w.close() for split, w in writers.items()}
+        unwritten = getattr(tok, "reasoning_unwritten", 0) - unwritten
     except BaseException:
         for w in writers.values():
             w.abort()
@@ -315,7 +317,7 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
                 longest_example=longest_example,  # DPO: chosen + rejected, a budget >= this; 'each': a conversation's
                 chat_template_kwargs=tok.chat_template_kwargs, escape_special_text=tok.escape_special_text,
                 reasoning_turns=reasoning_turns, turn_examples=turn_examples, turn_examples_dropped=turns_dropped,
-                bad_records=bad.policy,
+                reasoning_unwritten=unwritten, bad_records=bad.policy,
                 bad_records_skipped=bad.count, bad_records_named=bad.named, **(extra_meta or {}))
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
@@ -331,6 +333,11 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
         if bad.count:
             print(f"bad records: {bad.count:,} skipped (--bad_records skip), the first {len(bad.named)}:\n  "
                   + "\n  ".join(bad.named))
+        if unwritten:
+            hint = ("; --reasoning_turns=each trains a turn whose reasoning only later turns leave out (Qwen3) as an "
+                    "example of its own" if reasoning_turns == "conversation" else "")
+            print(f"note: {unwritten:,} trained assistant turns have reasoning their rendering leaves out (the "
+                  f"template's choice, as transformers renders it): that reasoning is not trained{hint}")
         if reasoning_turns == "each":
             print(f"reasoning_turns='each': {turn_examples:,} more example{'s' * (turn_examples != 1)}, each an "
                   f"assistant turn the conversation renders without its reasoning, trained as the last turn of the "

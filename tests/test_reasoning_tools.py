@@ -282,6 +282,17 @@ def test_reasoning_turns_each(folders, tmp_path, capsys):
     assert "reasoning_turns='each': 2 more examples" in capsys.readouterr().out
     data, _ = load(str(tmp_path / "each"), "train")
     assert np.array_equal(data["ids"][:data["offsets"][3]], np.concatenate([ids for ids, _ in examples]))
+    assert meta["reasoning_unwritten"] == 0  # each turn's reasoning is in its own example
+    # the default: the two earlier turns' reasoning is not trained, counted and said with the setting that trains it
+    meta = prepare(str(path), str(tmp_path / "whole"), ours, val_fraction=0)
+    assert meta["reasoning_unwritten"] == 2 and "note: 2 trained assistant turns have reasoning their rendering " \
+        "leaves out" in (out := capsys.readouterr().out) and "--reasoning_turns=each trains" in out, out
+    r1 = folders["deepseek-r1"][1]  # R1 writes only what follows </think>, the last turn's too: 'each' cannot help
+    inline = tmp_path / "inline.jsonl"
+    inline.write_text(json.dumps(dict(messages=[REASONING[2], REASONING[3], REASONING[2], REASONING[3]])) + "\n")
+    meta = prepare(str(inline), str(tmp_path / "r1"), r1, val_fraction=0, reasoning_turns="each")
+    assert (meta["reasoning_unwritten"], meta["turn_examples"]) == (2, 0), meta
+    assert "note: 2 trained assistant turns" in (out := capsys.readouterr().out) and "--reasoning" not in out, out
     # truncation that leaves a turn example nothing to train drops it, counted (the conversation: truncated)
     meta = prepare(str(path), str(tmp_path / "cut"), ours, val_fraction=0, reasoning_turns="each",
                    max_len=len(examples[0][0]), overlong="truncate")
