@@ -16,7 +16,7 @@ import torch.distributed as dist
 from checkpoint import (EXPORT_NEW, EXPORT_OLD, EXPORT_TMP, all_finite, finish_export, load_checkpoint,
                         restore_checkpoint)
 import context
-from data.dataset import check_fits, check_kind, load_data, prepare_data, turn_examples_note
+from data.dataset import check_fits, check_kind, ignored_keys_note, load_data, prepare_data, turn_examples_note
 from data.prepare import BAD_RECORDS, OVERLONG
 import lora
 from hf import fingerprint, from_pretrained, load_hf_weights, read_hf_config
@@ -236,8 +236,10 @@ def setup(config, kind, builtin_sizes=None):
                               prefix_sharing=c.get("prefix_sharing", False), context=cp)
         units = f"{len(loader.lengths)} train {'pairs' if kind == 'dpo' else 'examples'}" if "units" not in train_data \
             else f"{len(loader.lengths)} train conversations ({int(loader.sizes.sum())} turn examples)"
-        if note := turn_examples_note(data_dir, train_data, c.get("reasoning_turns", "conversation")):
-            print0(note)
+        for note in (turn_examples_note(data_dir, train_data, c.get("reasoning_turns", "conversation")),
+                     ignored_keys_note(c, data_dir, model_config.max_seq_len)):
+            if note:
+                print0(note)
         if c["batch_size"] > len(loader.lengths):
             print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))

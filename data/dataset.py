@@ -98,6 +98,21 @@ def turn_examples_note(data_dir, train, reasoning_turns):
     return ""
 
 
+
+RECORDS_KEYS = ("max_len", "overlong", "val_fraction", "bad_records")  # what preparing records reads (and meta.json)
+
+
+def ignored_keys_note(c, data_dir, max_seq_len):
+    """-> a note naming the records-only keys the run sets otherwise than its prepared folder (data=<folder>) was
+    made with: token files are used as they are; else ''."""
+    if data_dir != c.get("data"):  # records prepared by this run (or the built-in task) follow its keys
+        return ""
+    meta, run = read_meta(data_dir), dict(c, max_len=min(c.get("max_len", 0), max_seq_len))  # prepare_data's cap
+    other = [f"{k}={run[k]!r} (prepared with {meta[k]!r})" for k in RECORDS_KEYS if k in run and
+             meta.get(k) is not None and run[k] != meta[k]]
+    return (f"note: {data_dir} holds prepared token files, used as they are: {', '.join(other)} not applied; they "
+            f"apply where records are prepared (data=<records>, or data/prepare.py)") if other else ""
+
 def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix_sharing=False, context_parallel=1):
     """Refuse at load time, not iterations later: a tokenizer larger than the embedding table, a sequence longer than
     the model's positions, a unit (example, pair or group, a shared prompt once) over a micro-batch (of a CP group)."""

@@ -330,3 +330,20 @@ def test_prepare_builtin_writes_once(tmp_path):
         assert reply.endswith("<|end|>") and arithmetic.score(answer, reply[:-len("<|end|>")])
     meta = arithmetic.prepare_builtin(out, TOK, "sft", n_train=300, n_val=50, verbose=False)  # rebuilt
     assert meta["kind"] == "sft" and len(examples(out, "train")) == 300
+
+
+def test_records_only_keys_a_prepared_folder_was_made_otherwise_are_named(tmp_path):
+    """data=<prepared folder>: max_len, overlong, val_fraction, bad_records are not applied (the token files are used
+    as they are), so a run setting them otherwise gets a note naming each; the same values, a folder this run
+    prepares itself, or a val_input folder's absent val_fraction, none."""
+    from data.dataset import ignored_keys_note
+    path = write_jsonl(tmp_path / "chats.jsonl", [sft("hi", "hello")] * 4)
+    folder = str(tmp_path / "p")
+    prepare(path, folder, TOK, max_len=64, overlong="truncate", val_fraction=0.25, verbose=False)
+    run = dict(data=folder, max_len=64, overlong="truncate", val_fraction=0.25, bad_records="error")
+    assert ignored_keys_note(run, folder, max_seq_len=2048) == ""
+    assert ignored_keys_note(dict(run, max_len=4096), folder, max_seq_len=64) == ""  # prepare_data's cap: 64 as well
+    note = ignored_keys_note(dict(run, max_len=32, overlong="skip"), folder, max_seq_len=2048)
+    assert note.startswith(f"note: {folder} holds prepared token files") and "max_len=32 (prepared with 64), " \
+        "overlong='skip' (prepared with 'truncate') not applied" in note, note
+    assert ignored_keys_note(dict(run, data=path, max_len=32), folder, max_seq_len=2048) == ""  # records: applied
