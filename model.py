@@ -237,7 +237,7 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=Non
         qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
         Lq, Lk = qi.shape[2], ki.shape[2]
         mask = None
-        if Lq != Lk and (sliding_window is None or Lk <= sliding_window) and q.device.type == "cpu":
+        if 0 < Lq < Lk and (sliding_window is None or Lk <= sliding_window) and q.device.type == "cpu":  # 0: SIGFPE
             outs.append(BottomRight.apply(qi, ki, vi)[0].transpose(0, 1))  # a mask takes CPU's O(Lq x Lk) math path
             continue
         if Lq != Lk or (sliding_window is not None and Lk > sliding_window):

@@ -122,7 +122,7 @@ def test_window_reaches_into_the_prompt():
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)  # float64: the same sums up to rounding
 
 
-@pytest.mark.parametrize("R,P", [(1, 4), (3, 9), (64, 200), (200, 1)])
+@pytest.mark.parametrize("R,P", [(1, 4), (3, 9), (64, 200), (200, 1), (0, 4)])  # 0: the kernel divides by it
 def test_bottom_right_attention_on_cpu(R, P):
     """Queries that are the last R of P + R keys (a reply after its prompt, a branch after its trunk, a CP slice), no
     window: model.BottomRight's two flash calls merged by log-sum-exp, forward and every gradient, against softmax over
