@@ -98,7 +98,6 @@ def turn_examples_note(data_dir, train, reasoning_turns):
     return ""
 
 
-
 RECORDS_KEYS = ("max_len", "overlong", "val_fraction", "bad_records")  # what preparing records reads (and meta.json)
 
 
@@ -112,6 +111,7 @@ def ignored_keys_note(c, data_dir, max_seq_len):
              meta.get(k) is not None and run[k] != meta[k]]
     return (f"note: {data_dir} holds prepared token files, used as they are: {', '.join(other)} not applied; they "
             f"apply where records are prepared (data=<records>, or data/prepare.py)") if other else ""
+
 
 def check_fits(model_config, tok, data_dir, splits, budget, group_size=1, prefix_sharing=False, context_parallel=1):
     """Refuse at load time, not iterations later: a tokenizer larger than the embedding table, a sequence longer than
