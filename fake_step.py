@@ -233,6 +233,9 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                 step = np.full(state["worst_case_units"], step.max())
             busiest = max(step[share].sum() for share in packing.balance(step, world_size))
             state["whole_step_tokens"] = -(-int(busiest) // state["config"]["context_parallel"])
+            c, group = state["config"], 2 if state.get("kind") == "dpo" else 1  # absent data: what max_len allows
+            state["longest_unit"] = min(c["max_len"], state["max_seq_len"]) * group if "worst_case_units" in state \
+                else int(lengths.max())
         if len(bins) > 2:
             state["scale"], bins = sum(map(len, bins)) / sum(map(len, bins[:2])), bins[:2]
         return bins
@@ -328,7 +331,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         by_category["reference"] += moved
     scale = state.get("scale", 1.0)  # a step cut to two micro-batches a rank counts as the whole step
     return dict(by_category=by_category, phase=state["tracker"].phase, tokens=state["tokens"] * scale,
-                flops=state["flops"] * scale, config=state["config"], whole_step_tokens=state["whole_step_tokens"])
+                flops=state["flops"] * scale, config=state["config"], whole_step_tokens=state["whole_step_tokens"],
+                longest_unit=state.get("longest_unit", 0))
 
 
 class Decoding:

@@ -48,7 +48,8 @@ def figures(script, args, gpus, gpu_memory, device):
     return dict(world_size=gpus, gpu_memory_gib=gpu_memory, peak_gib=peak, peak_phase=r["phase"],
                 fits=peak <= gpu_memory, by_category_gib=by, tokens_per_step=int(r["tokens"]) * gpus,
                 flops_per_step=r["flops"] * gpus, microbatch_tokens=r["config"]["microbatch_tokens"],
-                whole_step_tokens=r["whole_step_tokens"])
+                whole_step_tokens=r["whole_step_tokens"],
+                least_microbatch_tokens=-(-r["longest_unit"] // r["config"].get("context_parallel", 1)))
 
 
 def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=256):
@@ -60,10 +61,14 @@ def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=25
         progress(f"plan: microbatch_tokens={n * step:,}?")
         f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device)
         return f["peak_gib"], f["fits"], f["whole_step_tokens"]
-    n0 = max(1, first["microbatch_tokens"] // step)
-    lo, hi = (n0, None) if first["fits"] else (0, n0)
-    peaks, sides, plateau = {n0: first["peak_gib"]}, [], False  # budget (in steps) -> its peak; each guess fit?
-    wholes = {n0: first["whole_step_tokens"]}  # budget (in steps) -> the budget holding its step in one micro-batch
+    # no budget below the longest example's (its run stops at load; absent data: a max_len example's), in steps
+    floor = max(1, -(-first["least_microbatch_tokens"] // step))
+    n0 = max(floor, first["microbatch_tokens"] // step)
+    peak, fits, whole = (first["peak_gib"], first["fits"], first["whole_step_tokens"]) if n0 * step <= first[
+        "microbatch_tokens"] else plan_at(n0)
+    lo, hi = (n0, None) if fits else (floor - 1, n0)  # lo: the largest budget known to fit, else below floor
+    peaks, sides, plateau = {n0: peak}, [], False  # budget (in steps) -> its peak; each guess fit?
+    wholes = {n0: whole}  # budget (in steps) -> the budget holding its step in one micro-batch
     while hi is None or hi - lo > 1:
         (na, pa), (nb, pb) = sorted(peaks.items())[-2:] if len(peaks) > 1 else ((None, None), (None, None))
         if hi is None and na and wholes[na] == wholes[nb] <= nb * step:  # the same step at two budgets (sequences no
@@ -83,7 +88,7 @@ def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=25
         plateau = fits and peaks[guess] == peaks.get(lo)  # the line fell short on lo's stair: it cannot see its end
         sides.append(fits)
         lo, hi = (guess, hi) if fits else (lo, guess)
-    return lo * step, False
+    return (lo * step if lo >= floor else 0), False
 
 
 def progress(line):
@@ -92,14 +97,20 @@ def progress(line):
 
 def table(f, seconds):
     state = sum(f["by_category_gib"][k] for k in ("parameters", "gradients", "optimizer"))
-    most, planned = f["max_microbatch_tokens"], f["microbatch_tokens"]
-    largest = f"largest microbatch_tokens that fits: {most:,} (planned at {planned:,})"
+    most, least = f["max_microbatch_tokens"], f["least_microbatch_tokens"]
+    planned = f"planned at {f['microbatch_tokens']:,}" + (  # absent data: its sequences only as long as the budget
+        f", under the {least:,} a max_len example needs" if f["microbatch_tokens"] < least else "")
+    largest = f"largest microbatch_tokens that fits: {most:,} ({planned})"
     if f["any_larger_fits"]:
-        largest = (f"largest microbatch_tokens that fits: {most:,} or any larger (planned at {planned:,}): from "
+        largest = (f"largest microbatch_tokens that fits: {most:,} or any larger ({planned}): from "
                    f"{most:,} on a rank's whole step is one micro-batch")
-    elif not most:
+    elif not most and state + f["by_category_gib"].get("allowance", 0) >= f["gpu_memory_gib"]:
         largest += (f": none, the parameters, gradients and optimizer state alone take {state:.2f} GiB a GPU (FSDP2 "
                     f"shards them over more GPUs; LoRA trains adapters only)")
+    elif not most:
+        largest += (f": none at a budget that holds the longest example ({f['least_microbatch_tokens']:,} tokens a "
+                    f"micro-batch); a shorter --max_len, --context_parallel over GPUs, activation_checkpointing or "
+                    f"LoRA hold less")
     rows = [f"{'category':<12} {'GiB':>8}"] + [f"{k:<12} {v:8.2f}" for k, v in f["by_category_gib"].items()]
     rows += [f"{'peak':<12} {f['peak_gib']:8.2f}  in {f['peak_phase']}, of {f['gpu_memory_gib']:g} GiB: "
              f"{'fits' if f['fits'] else 'does NOT fit'}", largest,

@@ -150,14 +150,41 @@ def test_the_search_finds_the_largest_budget_that_fits(monkeypatch, shape, start
     def figures(script, args, gpus, gpu_memory, device):
         calls.append(int(args[-1].split("=")[1]))
         return dict(peak_gib=peak_of(calls[-1]), fits=peak_of(calls[-1]) <= gpu_memory,
-                    whole_step_tokens=whole_step(calls[-1]))
+                    whole_step_tokens=whole_step(calls[-1]), least_microbatch_tokens=least)
+    least = 0
     monkeypatch.setattr(plan, "figures", figures)
     first = dict(figures(None, [f"--microbatch_tokens={start}"], 1, 80.0, "cuda"), microbatch_tokens=start)
     found, any_larger = plan.max_microbatch_tokens(None, [], 1, 80.0, "cuda", first)
     fits = [n for n in range(256, 400_000, 256) if peak_of(n) <= 80.0]
     assert (found, any_larger) == ((40_000, True) if shape in WHOLE_STEPS else (fits[-1] if fits else 0, False))
     assert len(calls) - 1 <= most, calls
+    if shape in WHOLE_STEPS or not fits:
+        return
+    # the longest example needs a micro-batch of `least` tokens: no budget below it is planned (its run would stop
+    # at load), and none is reported; where none from there fits, the answer is 0
+    for least in (fits[-1] // 2, fits[-1] + 1):
+        calls.clear()
+        first = dict(figures(None, [f"--microbatch_tokens={start}"], 1, 80.0, "cuda"), microbatch_tokens=start)
+        found, _ = plan.max_microbatch_tokens(None, [], 1, 80.0, "cuda", first)
+        assert found == (fits[-1] if fits[-1] >= least else 0) and min(calls[1:], default=least) >= least, calls
 
+
+
+@pytest.mark.slow
+def test_the_search_never_plans_below_the_longest_example(tmp_path):
+    """Data on disk whose longest example (607 tokens) is over half the planned budget: the search, going down from a
+    budget that does not fit, skips budgets that example cannot fit (a run there stops at load: before, the plan died
+    with that run's 'raise microbatch_tokens' line) and reports one that holds it."""
+    path = tmp_path / "chats.jsonl"
+    path.write_text("".join(json.dumps(dict(messages=[dict(role="user", content="q" * (600 if i == 0 else 50)),
+                                                      dict(role="assistant", content=f"a{i}")])) + "\n"
+                            for i in range(16)))
+    args = TINY[:2] + [f"--data={path}", "--batch_size=16", "--microbatch_tokens=2048"]
+    first = plan.figures("train_sft.py", args, 1, 0.012, "cpu")
+    assert not first["fits"] and first["least_microbatch_tokens"] == 607
+    found, _ = plan.max_microbatch_tokens("train_sft.py", args, 1, 0.012, "cpu", first)
+    assert found >= 607 and plan.figures("train_sft.py", args + [f"--microbatch_tokens={found}"], 1, 0.012,
+                                         "cpu")["fits"]
 
 @pytest.mark.slow
 def test_a_plan_that_does_not_fit_fits_at_the_reported_maximum():
