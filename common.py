@@ -159,7 +159,7 @@ def check_run(c, kind):
              f"folder (with a config.json) nor a hub name (org/name[@revision]){hint}")
     if c["init_from"] != "resume":
         try:
-            check_kind(c["data"], c["data_split"], c["val_data"], c["val_split"], kind)
+            check_kind(c["data"], c["data_split"], c["val_data"], c["val_split"], kind, c.get("fields"))
         except SystemExit as e:
             fail(e.code)
     test = os.path.join(c["out_dir"], f".write_test_{os.getpid()}")

@@ -19,7 +19,8 @@ from parallel import fail, is_master
 
 FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer", "batch_size", "seed",
                    "max_len", "overlong", "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-                   "quantize_base", "chat_template_kwargs", "reasoning_turns", "bad_records")
+                   "quantize_base", "chat_template_kwargs", "reasoning_turns", "bad_records",
+                   "fields")
 DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".parquet", ".csv", ".txt")
 
 

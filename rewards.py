@@ -13,12 +13,15 @@ import inspect
 import math
 import numbers
 import os
+import signal
 import sys
 import threading
 from functools import lru_cache
 
 import numpy as np
 import torch
+
+from parallel import stop_signal
 
 BUILTIN = {"builtin": "data.arithmetic:reward", "math": "rewards:math_reward"}
 NUMBER_KINDS = "biuf"  # numpy dtype kinds of a reward: bool, signed and unsigned integers, floats
@@ -62,7 +65,10 @@ def fields_taken(fn, name):
                           f"f(prompt messages, reply text, **fields)")
     named = [p for p in params[2:] if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     every = any(p.kind == p.VAR_KEYWORD for p in params)
-    return None if every else {p.name for p in named}, {p.name for p in named if p.default is p.empty}
+    # a field named as prompt's or reply's parameter would be passed twice by **fields
+    own = {p.name for p in params[:2] if p.kind == p.POSITIONAL_OR_KEYWORD}
+    required = {p.name for p in named if p.default is p.empty}
+    return None if every else {p.name for p in named}, required, own
 
 
 def parse_weights(weights, names):
@@ -107,21 +113,40 @@ class Rewards:
 
     def check_fields(self, fields, where):
         """A record field a reward takes without a default, missing: a RewardError now rather than at a later step."""
-        for name, (_, required) in zip(self.names, self.fields):
+        for name, (taken, required, own) in zip(self.names, self.fields):
             missing = sorted(required - set(fields))
             if missing:
                 raise RewardError(f"{where}: reward {name} takes {', '.join(map(repr, missing))}, which the record "
                                   f"lacks (its fields: {', '.join(map(repr, sorted(fields))) or 'none'}); add it to "
                                   f"every record, or give the parameter a default")
+            clash = sorted(own & set(fields)) if taken is None else []
+            if clash:
+                raise RewardError(f"{where}: the record's field {clash[0]!r} has the name of reward "
+                                  f"{name}'s own argument ({', '.join(own)}), which **fields would pass "
+                                  f"twice; rename the field (--fields={clash[0]}:{clash[0]}_field) or the "
+                                  f"argument")
+
+    def check_values(self, fields, where):
+        """-> a RewardError for a field value a reward cannot score (its `check`: the math reward's
+        answer that math-verify cannot read), else None: found before training, not at a later step."""
+        for name, fn, (taken, _, _) in zip(self.names, self.fns, self.fields):
+            kwargs = fields if taken is None else {k: v for k, v in fields.items() if k in taken}
+            try:
+                getattr(fn, "check", lambda **_: None)(**kwargs)
+            except ValueError as e:
+                return RewardError(f"{where}: reward {name} cannot score this record: {e}")
+        return None
 
     def __call__(self, prompt, reply, fields, where):
         """-> (len(names),) each function's reward of `reply` to the prompt at `where` (record fields `fields`)."""
         out = np.empty(len(self.fns))
-        for i, (name, fn, (taken, _)) in enumerate(zip(self.names, self.fns, self.fields)):
+        for i, (name, fn, (taken, _, _)) in enumerate(zip(self.names, self.fns, self.fields)):
             kwargs = fields if taken is None else {k: v for k, v in fields.items() if k in taken}
             try:
                 value = fn(prompt, reply, **kwargs)
-            except Exception as e:
+            except (Exception, SystemExit, KeyboardInterrupt) as e:
+                if stop_signal.name or isinstance(e, KeyboardInterrupt) and ctrl_c_raises():
+                    raise  # a real Ctrl-C or SIGTERM (a second one raises in the handler): a stop
                 raise RewardError(f"reward {name} raised {type(e).__name__}: {e} (prompt {where}, reply "
                                   f"{reply!r})") from None
             out[i] = number = as_number(value)
@@ -130,6 +155,11 @@ class Rewards:
                 raise RewardError(f"reward {name} returned {got} for prompt {where} (reply {reply!r}); a reward must "
                                   f"be a finite number (an int, float or bool, a numpy scalar or 0-d tensor)")
         return out
+
+
+def ctrl_c_raises():
+    """Python's own SIGINT handler (no run's StopSignal): a KeyboardInterrupt may be a real Ctrl-C."""
+    return signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 @lru_cache(maxsize=4096)  # a prompt's k replies, step after step, share its answer
@@ -159,3 +189,7 @@ def math_reward(prompt, reply, answer):
     from math_verify import parse, verify
     return float(verify(parse_answer(str(answer)), parse(reply, parsing_timeout=timeout_seconds()),
                         timeout_seconds=timeout_seconds()))
+
+
+# each record's answer, read before training
+math_reward.check = lambda answer, **_: parse_answer(str(answer))

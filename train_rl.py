@@ -50,6 +50,8 @@ data = "builtin"  # 'builtin' (the arithmetic task's hard split) or records {"pr
 data_split = None  # records: the split of a folder holding several (e.g. 'train'), by file-name prefix
 val_data = None  # records: held-out prompts for evaluation (builtin: the hard split's val chats)
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test')
+fields = None  # records: their field names -> ours, e.g. 'question:prompt' (GSM8K), comma-separated
+bad_records = "error"  # a record that cannot be read or scored (e.g. its answer): 'error' or 'skip'
 reward = "builtin"  # 'builtin' (exact answer), 'math' (math-verify) or 'module:function' (see rewards.py); 'a,b': both
 reward_weights = None  # one per reward, e.g. 1,0.5: the total reward is their weighted sum; default: 1 each
 k = 8  # replies sampled per prompt (a group)
@@ -152,12 +154,20 @@ def fits(ids, where):
                  f" (torchrun), " if too_many else "") + "lower max_new_tokens or shorten the prompt")
 
 
+def scorable(record_fields, where):
+    """Missing or clashing fields stop the run; a value a reward cannot score is a bad record."""
+    reward_fns.check_fields(record_fields, where)
+    return reward_fns.check_values(record_fields, where)
+
+
 try:
-    train_prompts = read_prompts(data, None, tok, fits, data_split, "data_split")
+    train_prompts = read_prompts(data, None, tok, fits, data_split, "data_split", fields, scorable,
+                                 bad_records)
     has_val = eval_examples and (val_data or data == "builtin")
-    val_prompts = read_prompts(val_data or data, eval_examples, tok, fits, val_split, "val_split") if has_val else []
-    for _, _, fields, where in train_prompts + val_prompts:
-        reward_fns.check_fields(fields, where)
+    val_prompts = read_prompts(val_data or data, eval_examples, tok, fits, val_split, "val_split", fields,
+                               scorable, bad_records) if has_val else []
+    for _, _, record_fields, where in train_prompts + val_prompts:  # the built-in task's too
+        reward_fns.check_fields(record_fields, where)
 except RewardError as e:
     fail(f"data error: {e}")
 except SystemExit as e:

@@ -33,6 +33,7 @@ data = "builtin"  # 'builtin' (arithmetic chats), records (.jsonl, .parquet, sha
 data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
 val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
 val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')
+fields = None  # records: their field names -> ours, e.g. 'conversation:messages', comma-separated
 max_len = 4096  # records only: longest example kept; longer ones follow `overlong`
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
 bad_records = "error"  # records only: one that fails to parse or render: 'error' (all counted, then stop) or 'skip'

@@ -10,7 +10,7 @@ import torch.distributed as dist
 
 from data.arithmetic import prepare_builtin, rl_prompts
 from data.prepare import as_messages, load, peek_kind, prepare, read_meta, template_inputs
-from data.records import DataError, data_files, read_records
+from data.records import BadRecords, DataError, data_files, parse_fields, read_records
 from packing import layout
 from parallel import is_master, print0
 
@@ -23,10 +23,12 @@ def prepared(data):
     return data != "builtin" and os.path.isfile(os.path.join(data, "meta.json"))
 
 
-def check_kind(data, data_split, val_data, val_split, kind):
+def check_kind(data, data_split, val_data, val_split, kind, fields=None):
     """The data's kind (a first record, or meta.json) is the script's, and its splits exist: checked before anything is
-    tokenized; a mistake is a SystemExit line."""
+    tokenized; a mistake is a SystemExit line. fields: the key `fields`, renames applied to every
+    record."""
     try:
+        renames = parse_fields(fields)
         if val_split and not val_data:
             raise SystemExit(f"config error: val_split={val_split!r}; it picks a split of a val_data folder, and "
                              f"val_data is not set")
@@ -37,9 +39,10 @@ def check_kind(data, data_split, val_data, val_split, kind):
                                  f"already prepared")
             found, where = kind if data == "builtin" else read_meta(data).get("kind"), data
         else:
-            found, where = (peek_prompts if kind == "rl" else peek_kind)(data, data_split)
+            found, where = peek_prompts(data, data_split, fields=renames) if kind == "rl" else \
+                peek_kind(data, data_split, kind, renames)
         if val_data and kind == found == "rl":  # RL's val_data holds prompt records too
-            found, where = peek_prompts(val_data, val_split, "val_split")
+            found, where = peek_prompts(val_data, val_split, "val_split", renames)
         elif val_data:
             data_files(val_data, val_split, "val_split")
     except (ValueError, OSError) as e:
@@ -64,7 +67,8 @@ def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
                         overlong=c["overlong"], val_fraction=c["val_fraction"], seed=c["seed"],
                         data_split=c["data_split"], val_input=c["val_data"], val_split=c["val_split"],
                         reasoning_turns=c.get("reasoning_turns", "conversation"),
-                        bad_records=c.get("bad_records", "error"))
+                        bad_records=c.get("bad_records", "error"), kind=kind,
+                        fields=c.get("fields"))
         except (ValueError, OSError) as e:  # a bad line (file:line, value, what to do), a missing file
             capped = c["max_len"] > max_seq_len and "max_len" in str(e)
             raise SystemExit(f"data error: {e}" + f" (max_len is capped at the model's max_seq_len={max_seq_len}: it "
@@ -98,7 +102,8 @@ def turn_examples_note(data_dir, train, reasoning_turns):
     return ""
 
 
-RECORDS_KEYS = ("max_len", "overlong", "val_fraction", "bad_records")  # what preparing records reads (and meta.json)
+# what preparing records reads (and meta.json)
+RECORDS_KEYS = ("max_len", "overlong", "val_fraction", "bad_records", "fields")
 
 
 def ignored_keys_note(c, data_dir, max_seq_len):
@@ -107,8 +112,9 @@ def ignored_keys_note(c, data_dir, max_seq_len):
     if data_dir != c.get("data"):  # records prepared by this run (or the built-in task) follow its keys
         return ""
     meta, run = read_meta(data_dir), dict(c, max_len=min(c.get("max_len", 0), max_seq_len))  # prepare_data's cap
-    other = [f"{k}={run[k]!r} (prepared with {meta[k]!r})" for k in RECORDS_KEYS if k in run and
-             meta.get(k) is not None and run[k] != meta[k]]
+    run["fields"] = parse_fields(c.get("fields")) or None  # as meta.json holds it
+    other = [f"{k}={run[k]!r} (prepared with {meta.get(k)!r})" for k in RECORDS_KEYS if k in run and
+             (meta.get(k) is not None or k == "fields") and run[k] != meta.get(k)]
     return (f"note: {data_dir} holds prepared token files, used as they are: {', '.join(other)} not applied; they "
             f"apply where records are prepared (data=<records>, or data/prepare.py)") if other else ""
 
@@ -167,39 +173,56 @@ def prompt_record(record, where):
     return "rl", (messages, {k: v for k, v in record.items() if k != field})
 
 
-def peek_prompts(path, split=None, key="data_split"):
+def peek_prompts(path, split=None, key="data_split", fields=None):
     """-> (kind, where) of the first record of `path`, as prompt_record reads it: "rl" for prompts."""
-    for where, record in read_records(data_files(path, split, key), verbose=False):
+    for where, record in read_records(data_files(path, split, key), verbose=False, fields=fields):
         return prompt_record(record, where)[0], where
     raise DataError(f"{path}: no prompts found (an empty file?); write one {{\"prompt\": ...}} or "
                     f"{{\"messages\": [...]}} record a line")
 
 
-def read_prompts(source, n, tok, limit, split=None, key="data_split"):
+def read_prompts(source, n, tok, limit, split=None, key="data_split", fields=None, check=None,
+                 bad_records="error"):
     """RL prompts -> [(prompt ids, prompt messages, reward fields, where)], the first n (None: all). source: 'builtin'
     (the hard split: val when n is given, else train) or {"messages"} / {"prompt"} records, other fields for the
-    reward; split: a folder's, set by config key `key`. limit(ids, where) checks a prompt's length."""
+    reward; split: a folder's, set by config key `key`. limit(ids, where) checks a prompt's length.
+    fields: the key `fields`; check(fields, where) -> the error of a record the reward cannot score, or
+    None: a bad record (bad_records)."""
     if source == "builtin":
         split = "val" if n else "train"
         found = [(p, dict(answer=a), f"builtin:{split}:{i}")
                  for i, (p, a) in enumerate(rl_prompts(split, n or 2000, 0, hard=True))]
     else:
-        found = []
+        found, bad = [], BadRecords(bad_records)
         try:
-            for where, record in read_records(data_files(source, split, key), verbose=False):
-                kind, prompt = prompt_record(record, where)
+            files = data_files(source, split, key)
+            renames = parse_fields(fields)
+            for where, record in read_records(files, verbose=False, bad=bad, fields=renames):
+                try:
+                    kind, prompt = prompt_record(record, where)
+                    problem = kind == "rl" and check and check(prompt[1], where)
+                except DataError as e:
+                    kind, problem = "rl", e
                 if kind != "rl":
                     raise DataError(f"{where}: {kind.upper()} data among the prompts ({NOT_PROMPTS[kind]}) — a "
                                     f"prompt record is {{\"prompt\": ...}} or {{\"messages\": [prompt turns]}}; drop "
                                     f"the line")
+                if problem:
+                    bad.add(problem)
+                    continue
                 found.append((*prompt, where))
                 if n and len(found) == n:
                     break
+            if bad.count and (bad.policy == "error" or not found):
+                bad.raise_error(source, usable=bool(found))
         except (ValueError, OSError) as e:
             raise SystemExit(f"data error: {e}") from None
         if not found:
             raise SystemExit(f"data error: {source}: no prompts found (an empty file?); write one {{\"prompt\": ...}} "
                              f"or {{\"messages\": [...]}} record a line")
+        if bad.count:
+            print0(f"{source}: {bad.count:,} bad records skipped (bad_records='skip'), the first "
+                   f"{len(bad.named)}:\n  " + "\n  ".join(bad.named))
     prompts = []
     for m, fields, where in found:
         try:  # a bad 'tools' field (DataError names the line), a template that refuses the prompt or leaves part out

@@ -54,7 +54,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python data/prepare.py
 from chat_template import REASONING_FIELDS  # noqa: E402
-from data.records import BAD_RECORDS, BadRecords, DataError, data_files, read_records  # noqa: E402, F401
+from data.records import (BAD_RECORDS, BadRecords, DataError, data_files,  # noqa: E402, F401
+                          parse_fields, read_records)
 from tokenizer import ROLES, get_tokenizer  # noqa: E402
 
 OVERLONG = ("error", "truncate", "skip")
@@ -128,14 +129,15 @@ def split_transcript(text, field, where):
     return [dict(role="user" if m == "Human" else "assistant", content=c) for m, c in zip(markers, parts[2::2])]
 
 
-def parse(record, where):
-    """A record -> ("sft", messages) or ("dpo", (prompt, chosen, rejected) message lists)."""
+def parse(record, where, kind=None):
+    """A record -> ("sft", messages) or ("dpo", (prompt, chosen, rejected) message lists). kind: what
+    the caller trains, whose fields it reads where a record has both (ultrafeedback_binarized)."""
     dpo_keys = [k for k in ("chosen", "rejected") if k in record]
-    if "messages" in record and dpo_keys:  # ultrafeedback_binarized's messages == chosen; anything else is a guess
-        if record["messages"] != record.get("chosen"):
+    if "messages" in record and dpo_keys and kind != "sft":  # train_sft.py reads 'messages' alone
+        if record["messages"] != record.get("chosen") and kind != "dpo":
             raise DataError(f"{where}: the line has both 'messages' (SFT) and {' and '.join(map(repr, dpo_keys))} "
-                            f"(DPO), and 'messages' is not the chosen conversation — keep one kind per line: drop "
-                            f"'messages' from DPO data, or 'chosen' and 'rejected' from SFT data")
+                            f"(DPO), and 'messages' is not the chosen conversation — keep one kind per line, or "
+                            f"choose which to read with --kind=sft or --kind=dpo")
         record = {k: v for k, v in record.items() if k != "messages"}
     if "messages" in record:
         messages = check_messages(record["messages"], "messages", where)
@@ -260,9 +262,10 @@ class TokenWriter:
 
 
 def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra_meta=None, verbose=True,
-                      reasoning_turns="conversation", bad=None):
+                      reasoning_turns="conversation", bad=None, want=None):
     """(where, split, record) items -> token files and meta.json (written last: the files are complete) in out_dir.
-    bad: the BadRecords the reader counts into too (None: 'error'); a record that fails to parse or render is one."""
+    bad: the BadRecords the reader counts into too (None: 'error'); a record that fails to parse or render is one.
+    want: 'sft' or 'dpo', the fields read where a record has both (parse's kind)."""
     bad = BadRecords() if bad is None else bad
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "meta.json")):
@@ -275,7 +278,7 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
     try:
         for where, split, record in items:
             try:
-                k, example = parse(record, where)
+                k, example = parse(record, where, want)
                 seqs = render(tok, k, example, where, template_inputs(record, where), reasoning_turns)
             except DataError as e:
                 bad.add(e)
@@ -354,9 +357,10 @@ def absolute(path):
 
 def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error", val_fraction=0.01,
             seed=1337, verbose=True, data_split=None, val_input=None, val_split=None, reasoning_turns="conversation",
-            bad_records="error", **chat):
+            bad_records="error", kind=None, fields=None, **chat):
     """Records (see data_files) -> token files in out_dir; returns meta. tokenizer: a Tokenizer, "byte" or a folder.
     val_input: the val split's records, in place of val_fraction. bad_records: 'error' or 'skip' (see BadRecords).
+    kind: 'sft' or 'dpo', read where a record has both; fields: renames, 'theirs:ours,...' (parse_fields).
     chat: Tokenizer.configure_chat's settings."""
     if not 0 <= val_fraction < 1:
         raise DataError(f"val_fraction={val_fraction} must be in [0, 1): the share of records held out for val")
@@ -364,7 +368,7 @@ def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error
         raise DataError(f"val_split={val_split!r} picks a split of val_input, and no val_input is given")
     if reasoning_turns not in REASONING_TURNS:
         raise DataError(f"reasoning_turns={reasoning_turns!r}; choose one of {', '.join(REASONING_TURNS)}")
-    bad = BadRecords(bad_records)
+    bad, renames = BadRecords(bad_records), parse_fields(fields)
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     tok = copy.copy(tok).configure_chat(**chat) if chat else tok
     files = data_files(input_path, data_split)  # before out_dir is touched: a wrong path writes nothing
@@ -372,23 +376,26 @@ def prepare(input_path, out_dir, tokenizer="byte", max_len=4096, overlong="error
     if val_input is None:
         rng = random.Random(seed)  # one draw per record, so the split does not depend on max_len/overlong
         items = ((where, "val" if rng.random() < val_fraction else "train", record)
-                 for where, record in read_records(files, verbose, bad))
+                 for where, record in read_records(files, verbose, bad, renames))
     else:
-        items = itertools.chain(((where, "train", record) for where, record in read_records(files, verbose, bad)),
-                                ((where, "val", record) for where, record in read_records(val_files, verbose, bad)))
+        train, val = (read_records(f, verbose, bad, renames) for f in (files, val_files))
+        items = itertools.chain(((where, "train", record) for where, record in train),
+                                ((where, "val", record) for where, record in val))
     extra_meta = dict(source=absolute(input_path), data_split=data_split, seed=seed, val_split=val_split,
                       val_source=absolute(val_input) if val_input is not None else None,
-                      val_fraction=val_fraction if val_input is None else None)
-    return write_token_files(items, out_dir, tok, max_len, overlong, extra_meta, verbose, reasoning_turns, bad)
+                      val_fraction=val_fraction if val_input is None else None, fields=renames or None)
+    return write_token_files(items, out_dir, tok, max_len, overlong, extra_meta, verbose, reasoning_turns,
+                             bad, kind)
 
 
-def peek_kind(path, data_split=None):
+def peek_kind(path, data_split=None, want=None, fields=None):
     """-> (kind, where): "sft" or "dpo" from the first record of `path` that parses (checked, not tokenized), and where
-    it is; bad records before it are prepare's to report, and an input of bad records only is an error here."""
+    it is; bad records before it are prepare's to report, and an input of bad records only is an error here.
+    want, fields: prepare's kind and parsed fields."""
     bad = BadRecords()
-    for where, record in read_records(data_files(path, data_split), verbose=False, bad=bad):
+    for where, record in read_records(data_files(path, data_split), verbose=False, bad=bad, fields=fields):
         try:
-            return parse(record, where)[0], where
+            return parse(record, where, want)[0], where
         except DataError as e:
             bad.add(e)
     if bad.count:
@@ -439,6 +446,10 @@ if __name__ == "__main__":
     p.add_argument("--overlong", choices=OVERLONG, default="error")
     p.add_argument("--bad_records", choices=BAD_RECORDS, default="error", help="error: stop, naming the first bad "
                    "records and their count; skip: leave them out (counted, the first named)")
+    p.add_argument("--kind", choices=("sft", "dpo"), default=None, help="where a record has both 'messages' and "
+                   "chosen/rejected (ultrafeedback_binarized), which to read; default: the pair")
+    p.add_argument("--fields", default=None, help="rename a record's fields to ours, their_field:our_field, "
+                   "comma-separated (GSM8K: --fields=question:prompt)")
     p.add_argument("--val_fraction", type=float, default=0.01)
     p.add_argument("--val_input", default=None, help="val records (as --input) instead of --val_fraction")
     p.add_argument("--val_split", default=None, help="the split to read from a --val_input folder holding several")
@@ -453,7 +464,8 @@ if __name__ == "__main__":
     try:
         prepare(args.input, args.out_dir, args.tokenizer, args.max_len, args.overlong, args.val_fraction,
                 args.seed, data_split=args.data_split, val_input=args.val_input, val_split=args.val_split,
-                reasoning_turns=args.reasoning_turns, bad_records=args.bad_records,
+                reasoning_turns=args.reasoning_turns, bad_records=args.bad_records, kind=args.kind,
+                fields=args.fields,
                 chat_template_kwargs=args.chat_template_kwargs, escape_special_text=args.escape_special_text)
     except (ValueError, OSError) as e:  # DataError, a missing file, an unsupported tokenizer: one line
         print(f"error: {e}", file=sys.stderr)

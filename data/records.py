@@ -291,9 +291,41 @@ def is_parquet(path):
         return path.endswith(".parquet") or f.read(4) == b"PAR1"
 
 
-def read_records(files, verbose=True, bad=None):
+def parse_fields(spec):
+    """The key `fields`: 'theirs:ours,...' or a dict {theirs: ours} -> {their name: the name we read}."""
+    if not spec:
+        return {}
+    split = [p.partition(":")[::2] for p in str(spec).split(",")]
+    pairs = spec.items() if isinstance(spec, dict) else split
+    out = {}
+    for theirs, ours in pairs:
+        theirs, ours = str(theirs).strip(), str(ours).strip()
+        if not theirs or not ours or theirs in out or ours in out.values():
+            raise DataError(f"fields={spec!r}: write it as their_field:our_field pairs, comma-separated, "
+                            f"each name once (e.g. --fields=question:prompt)")
+        out[theirs] = ours
+    return out
+
+
+def rename_fields(record, fields, where):
+    """A record with its fields renamed by `fields` (parse_fields'); two that would share a name: an
+    error."""
+    out = {}
+    for k, v in record.items():
+        name = fields.get(k, k)
+        if name in out:
+            a, b = [f for f in record if fields.get(f, f) == name]
+            spec = ",".join(f"{x}:{y}" for x, y in fields.items())
+            raise DataError(f"{where}: the record's {a!r} and {b!r} would both be {name!r} "
+                            f"(fields={spec}) — rename only one of them")
+        out[name] = v
+    return out
+
+
+def read_records(files, verbose=True, bad=None, fields=None):
     """Yield (where, record) from each file in turn; verbose: progress to stderr every 10 s, a total at the end.
-    bad: a BadRecords that counts lines that are not records (None: raise at the first)."""
+    bad: a BadRecords that counts lines that are not records (None: raise at the first).
+    fields: parse_fields', the renames applied to every record."""
     sizes = [os.path.getsize(f) for f in files]
     t0, shown, rows = time.time(), time.time(), 0
     for i, path in enumerate(files):
@@ -305,6 +337,13 @@ def read_records(files, verbose=True, bad=None):
                 eta = (shown - t0) * (1 - frac) / max(frac, 1e-9)
                 print(f"{where}: {rows:,} rows ({frac:.0%}), {rows / (shown - t0):,.0f} rows/s, "
                       f"ETA {eta // 60:.0f}m{eta % 60:02.0f}s", file=sys.stderr, flush=True)
+            try:
+                record = rename_fields(record, fields, where) if fields else record
+            except DataError as e:
+                if bad is None:
+                    raise
+                bad.add(e)
+                continue
             yield where, record
     if verbose:
         print(f"read {rows:,} rows from {len(files)} file(s) in {time.time() - t0:.1f} s")

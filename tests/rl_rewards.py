@@ -42,3 +42,11 @@ def echo(prompt, reply, value):
 def answer_in_reply(prompt, reply, answer, bonus=0.0):
     """Takes only `answer` (and `bonus`, with a default): a record's other fields must not reach it."""
     return float(str(answer) in reply) + bonus
+
+
+def exits(prompt, reply, **fields):
+    raise SystemExit(3)
+
+
+def interrupts(prompt, reply, **fields):
+    raise KeyboardInterrupt
