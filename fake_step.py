@@ -281,7 +281,9 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
         ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
         ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]]
-    patches += [(hub, "PLAN", True),  # a hub name: its config.json and tokenizer only, no weights, no data
+    patches += [(hub, "PLAN", True),  # a hub name: its config.json and tokenizer only, no weights
+                # one process stands for every rank: no other rank's commits to compare (a collective on fake ranks)
+                (hub, "check_same_on_all_ranks", lambda pins: None),
                 (configurator, "restore_saved", refuse_resume), (dataset, "read_prompts", read_prompts),
                 (generation, "generate", generate),
                 (generation, "packed", on_host(generation.packed)), (packing, "rank_bins", rank_bins),

@@ -21,7 +21,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 INDEX = "model.safetensors.index.json"
 NAME = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?P<sub>(/[\w.=-]+)*)(@(?P<revision>.+))?")
 PATH_LIKE = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz", ".pt", ".py")  # a local file that is not there
-PLAN = False  # fake_step.py sets it: a plan reads config.json and the tokenizer, no weights and no data
+PLAN = False  # fake_step.py sets it: a plan reads config.json and the tokenizer, no weights (data as a run does)
 
 
 class RepoError(ValueError):
@@ -67,8 +67,6 @@ def resolve(values):
             fetch_key(key, repo, sub, commit, values, listings)
         print0(f"hub: {key} is {pin}, as the run recorded it")
     for key, (repo, sub, revision) in names.items():
-        if PLAN and key in DATA_KEYS:  # a plan takes data not on this machine as the worst case: nothing to download
-            continue
         folders[key], commit, files, size = fetch_key(key, repo, sub, revision, values, listings)
         pins[key] = f"{repo}{'/' + sub if sub else ''}@{commit}"
         print0(f"hub: {key}={values[key]} is commit {commit}: {len(files)} file(s), {size / 1e6:,.2f} MB, in "

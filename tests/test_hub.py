@@ -278,21 +278,40 @@ def test_dpo_and_rl_by_name(tmp_path, repos):
     assert f"hub: init_from={MODEL}@v2 is commit {'b' * 40}" in out.stdout
 
 
-def test_sample_and_plan_by_name(server, use_hub, monkeypatch, capsys):
-    """sample.py talks to a model by name; plan.py plans one by name from its config.json and tokenizer files alone
-    (data by name it does not download: the worst case stands for it)."""
+def test_sample_and_plan_by_name(server, use_hub, repos, monkeypatch, capsys):
+    """sample.py talks to a model by name; plan.py plans one by name from its config.json and tokenizer files alone,
+    and data by name from its files, downloaded as a run downloads them: the same step as the same data on disk."""
     import runpy
     import plan
     use_hub(server.endpoint)
     server.log.clear()
-    result = plan.plan_step(os.path.join(ROOT, "train_sft.py"), [f"--init_from={MODEL}", "--data=nanopack-test/chats",
-                            "--data_split=train", "--batch_size=2", "--microbatch_tokens=256"], device="cpu")
+    args = [f"--init_from={MODEL}", "--data_split=train", "--batch_size=2", "--microbatch_tokens=256"]
+    result = plan.plan_step(os.path.join(ROOT, "train_sft.py"), [*args, "--data=nanopack-test/chats"], device="cpu")
     assert result["by_category"]["parameters"] > 0
-    assert sorted(server.downloads()) == ["config.json", "generation_config.json", "tokenizer.json",
-                                          "tokenizer_config.json"]
+    assert sorted(server.downloads()) == ["config.json", "data/train-00000-of-00001.parquet", "generation_config.json",
+                                          "tokenizer.json", "tokenizer_config.json"]
+    on_disk = plan.plan_step(os.path.join(ROOT, "train_sft.py"),
+                             [*args, f"--data={os.path.join(repos['nanopack-test/chats'], 'data')}"], device="cpu")
+    assert result["tokens"] == on_disk["tokens"] < 256
     monkeypatch.setattr(sys, "argv", ["sample.py", f"--model={MODEL}", "--prompt=hi", "--max_new_tokens=2",
                                       "--device=cpu"])
     runpy.run_path(os.path.join(ROOT, "sample.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert f"hub: model={MODEL} is commit" in out and out.rstrip().endswith("---")
     assert "model.safetensors" in server.downloads()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, extra", [
+    ("train_sft.py", ["--parallel=fsdp", f"--init_from={MODEL}"]),
+    ("train_dpo.py", ["--parallel=ddp", f"--init_from={MODEL}", "--data=nanopack-test/prefs",
+                      "--data_split=train_prefs"]),
+    ("train_sft.py", ["--parallel=ddp", "--init_from=scratch", "--preset=tiny", f"--tokenizer={MODEL}"])])
+def test_plan_by_name_on_several_gpus(server, use_hub, script, extra):
+    """The headline use: a plan of 8 GPUs of a model by name (its commits compared across ranks in a run: a plan's one
+    process has no other rank, and a collective on the fake ranks reads no value)."""
+    import plan
+    use_hub(server.endpoint)
+    result = plan.plan_step(os.path.join(ROOT, script), [*extra, "--batch_size=8", "--microbatch_tokens=256"], gpus=8,
+                            device="cpu")
+    assert result["by_category"]["parameters"] > 0
