@@ -20,6 +20,7 @@ workspaces (cuBLAS, compiled code) and tensors a kernel allocates inside itself 
 tensors: a DDP rank is planned unwrapped with its share of the batch (its buckets are its gradients:
 gradient_as_bucket_view). RL's decode attention is planned as the CPU's SDPA holds it (scores over the cached keys).
 """
+import glob
 import itertools
 import os
 import re
@@ -424,4 +425,5 @@ def module_to(module, *args, **kwargs):
 
 
 def on_disk(data):
-    return data != "builtin" and os.path.exists(data)
+    """Data on this machine: a path, or a glob or comma-separated list (a hub split's files) of files that are there."""
+    return data != "builtin" and (os.path.exists(data) or all(glob.glob(p.strip()) for p in data.split(",")))

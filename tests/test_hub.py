@@ -35,7 +35,7 @@ def server(repos):
     s = HubServer()
     s.add("model", MODEL, repos["model"])
     for name in ("nanopack-test/chats", "nanopack-test/prefs", "nanopack-test/prompts", "nanopack-test/scripted",
-                 "nanopack-test/math"):
+                 "nanopack-test/math", "nanopack-test/globbed", "nanopack-test/listed"):
         s.add("dataset", name, repos[name])
     s.add("dataset", "nanopack-test/converted", repos["nanopack-test/converted"], revisions=("refs/convert/parquet",))
     s.add("model", "nanopack-test/sharded", repos["sharded"])
@@ -139,6 +139,8 @@ def test_downloads_only_what_a_run_reads(server, use_hub):
     (dict(data="nanopack-test/math"), "configs main, socratic and none is the default: name one, "
                                       "--data=nanopack-test/math/main"),
     (dict(data="nanopack-test/math/main"), "several splits (test, train): choose one with --data_split"),
+    (dict(data="nanopack-test/math/Main"), "nanopack-test/math: no config 'Main' (main, socratic): name one, e.g. "
+                                           "--data=nanopack-test/math/main"),
 ])
 def test_hub_failures_are_one_line(server, use_hub, values, line):
     use_hub(server.endpoint)
@@ -162,6 +164,37 @@ def test_sharded_weights_and_dataset_configs(server, use_hub):
     assert sorted(os.listdir(folders["val_data"])) == ["0000.parquet", "0001.parquet"]
     from data.prepare import data_files
     assert len(data_files(folders["val_data"])) == 2 and len(data_files(folders["data"], "test")) == 1
+
+
+@pytest.mark.parametrize("data, split", [("nanopack-test/globbed", None), ("nanopack-test/globbed", "train"),
+                                         ("nanopack-test/listed", None), ("nanopack-test/listed", "train"),
+                                         ("nanopack-test/converted/default@refs/convert/parquet", "train")])
+def test_one_split_as_the_card_or_the_conversion_lays_it_out(server, use_hub, data, split):
+    """A README's one split as a glob or a list of files is read as `datasets` reads it: one split, 'train', its files
+    and no others; the Parquet conversion's <config>/<split>/NNNN.parquet: the split is the folder."""
+    from data.records import data_files, read_records
+    use_hub(server.endpoint)
+    folders, _ = hub.resolve(dict(data=data, data_split=split))
+    assert folders["data_split"] is None  # the run reads the split's own files
+    files = data_files(folders["data"], folders["data_split"])
+    assert len(list(read_records(files, verbose=False))) == (6 if "converted" not in data else 8)
+    assert [os.path.basename(f) for f in files] in (["a.jsonl", "b.jsonl"], ["0000.parquet", "0001.parquet"])
+
+
+def test_offline_split_never_downloaded(tmp_path, repos, use_hub):
+    """Offline, a split the cache lacks (only another was read online) is the cache's gap, not the repo's."""
+    cache = use_hub(offline=True)
+    shutil.copytree(repos["nanopack-test/prefs"], tmp_path / "prefs",
+                    ignore=shutil.ignore_patterns("test_prefs-*"))
+    lay_out_cache(cache, "dataset", "nanopack-test/prefs", str(tmp_path / "prefs"), COMMITS["nanopack-test/prefs"])
+    shutil.copytree(repos["nanopack-test/chats"], tmp_path / "chats", ignore=shutil.ignore_patterns("test-*"))
+    lay_out_cache(cache, "dataset", "nanopack-test/chats", str(tmp_path / "chats"), COMMITS["nanopack-test/chats"])
+    for name, split in (("nanopack-test/prefs", "test_prefs"), ("nanopack-test/chats", "test")):
+        with pytest.raises(SystemExit) as e:
+            hub.resolve(dict(data=name, data_split=split))
+        assert f"the cached snapshot holds no file of the split '{split}') and HF_HUB_OFFLINE=1 forbids " \
+               f"downloading: run once online" in e.value.code
+    assert hub.resolve(dict(data="nanopack-test/chats", data_split="train"))[0]["data"].endswith("data")
 
 
 def test_offline_reads_the_cache_and_never_the_network(tmp_path, repos, use_hub):
@@ -303,7 +336,7 @@ def test_sample_and_plan_by_name(server, use_hub, repos, monkeypatch, capsys):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("script, extra", [
-    ("train_sft.py", ["--parallel=fsdp", f"--init_from={MODEL}"]),
+    ("train_sft.py", ["--parallel=fsdp", f"--init_from={MODEL}", "--data=nanopack-test/listed"]),
     ("train_dpo.py", ["--parallel=ddp", f"--init_from={MODEL}", "--data=nanopack-test/prefs",
                       "--data_split=train_prefs"]),
     ("train_sft.py", ["--parallel=ddp", "--init_from=scratch", "--preset=tiny", f"--tokenizer={MODEL}"])])
@@ -315,3 +348,5 @@ def test_plan_by_name_on_several_gpus(server, use_hub, script, extra):
     result = plan.plan_step(os.path.join(ROOT, script), [*extra, "--batch_size=8", "--microbatch_tokens=256"], gpus=8,
                             device="cpu")
     assert result["by_category"]["parameters"] > 0
+    if "--data=nanopack-test/listed" in extra:  # its 6 short chats (the split's own files), not 8 x 256 worst-case tokens
+        assert result["tokens"] < 256
