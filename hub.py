@@ -35,8 +35,12 @@ class CacheMiss(FileNotFoundError):
 def parse(value, dataset=False):
     """`org/name[/config][@revision]` -> (repo, config or folder, revision); None for a path that exists or a string
     that is not a name (it stays what it was, and whatever reads it says so)."""
-    if not isinstance(value, str) or os.path.exists(value) or value.startswith((".", "/", "~")) or \
-            value.split("@")[0].endswith(PATH_LIKE):
+    return None if not isinstance(value, str) or os.path.exists(value) else spelt_as_name(value, dataset)
+
+
+def spelt_as_name(value, dataset=False):
+    """parse's answer for a value, whether or not a path of that name exists."""
+    if value.startswith((".", "/", "~")) or value.split("@")[0].endswith(PATH_LIKE):
         return None
     m = NAME.fullmatch(value)
     if not m or (m["sub"] and not dataset) or "--" in m["repo"] or ".." in m["repo"]:
@@ -188,6 +192,10 @@ def model_files(files, read, weights=True, config=True):
             return wanted + [INDEX] + sorted(set(json.load(f)["weight_map"].values()))
     if "model.safetensors" in files:
         return wanted + ["model.safetensors"]
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:  # the cache holds what was downloaded, and plan.py downloads no weights
+        raise CacheMiss("the cached snapshot holds no weights: they were never downloaded (plan.py reads config.json "
+                        "and the tokenizer only)")
     others = sorted(f for f in files if f.endswith((".bin", ".pth", ".gguf", ".pt", ".safetensors")))[:3]
     raise RepoError(f"no safetensors weights (model.safetensors or {INDEX}) at its root"
                     + (f", only {', '.join(others)}" if others else "") + "; nanopack reads safetensors only: "
@@ -309,7 +317,9 @@ def explain(e, repo, kind, revision):
     if isinstance(e, errors.RevisionNotFoundError):
         return f"{repo} has no revision {revision!r} (a branch, tag or commit): see {page}/tree/main"
     if isinstance(e, (CacheMiss, errors.LocalEntryNotFoundError)) and constants.HF_HUB_OFFLINE:
-        return (f"{repo}@{revision or 'main'} is not in the hub cache ({constants.HF_HUB_CACHE}"
+        # nothing of the repo cached: the name may be a relative path mistyped
+        path = "" if os.path.isdir(storage(repo, kind)) else "no such local path, and "
+        return (f"{path}{repo}@{revision or 'main'} is not in the hub cache ({constants.HF_HUB_CACHE}"
                 f"{'; ' + str(e) if str(e) else ''}) and HF_HUB_OFFLINE=1 forbids downloading: run once online, "
                 f"or unset HF_HUB_OFFLINE")
     if isinstance(e, errors.HfHubHTTPError) and status:

@@ -181,6 +181,21 @@ def test_one_split_as_the_card_or_the_conversion_lays_it_out(server, use_hub, da
     assert [os.path.basename(f) for f in files] in (["a.jsonl", "b.jsonl"], ["0000.parquet", "0001.parquet"])
 
 
+@pytest.mark.slow
+def test_prepare_takes_hub_names(tmp_path, repos):
+    """data/prepare.py reads --input, --val_input and --tokenizer by hub name, as the scripts do."""
+    env = {**os.environ, **offline_env(tmp_path / "home")}
+    cached(str(tmp_path / "home"), repos, COMMITS)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), "--input", "nanopack-test/chats",
+                        "--data_split", "train", "--val_input", "nanopack-test/chats", "--val_split", "test",
+                        "--tokenizer", MODEL, "--out_dir", str(tmp_path / "out")], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    meta = json.load(open(tmp_path / "out" / "meta.json"))
+    assert (meta["counts"]["train"]["examples"], meta["counts"]["val"]["examples"]) == (24, 4)
+    assert meta["vocab_size"] == 258 and f"hub: tokenizer={MODEL} is commit {'a' * 40}" in r.stdout
+
+
 def test_offline_split_never_downloaded(tmp_path, repos, use_hub):
     """Offline, a split the cache lacks (only another was read online) is the cache's gap, not the repo's."""
     cache = use_hub(offline=True)
@@ -195,6 +210,37 @@ def test_offline_split_never_downloaded(tmp_path, repos, use_hub):
         assert f"the cached snapshot holds no file of the split '{split}') and HF_HUB_OFFLINE=1 forbids " \
                f"downloading: run once online" in e.value.code
     assert hub.resolve(dict(data="nanopack-test/chats", data_split="train"))[0]["data"].endswith("data")
+
+
+def test_offline_lines_say_what_is_missing(tmp_path, repos, use_hub, monkeypatch):
+    """Offline: a model cached as plan.py left it (config and tokenizer, no weights) says the weights were never
+    downloaded; a two-part relative path that is not there says so first."""
+    cache = use_hub(offline=True)
+    shutil.copytree(repos["model"], tmp_path / "planned", ignore=shutil.ignore_patterns("*.safetensors", "*.bin",
+                                                                                       "*.pth", "*.gguf"))
+    lay_out_cache(cache, "model", MODEL, str(tmp_path / "planned"), COMMITS["model"])
+    monkeypatch.chdir(tmp_path)
+    for values, line in ((dict(init_from=MODEL), "holds no weights: they were never downloaded (plan.py reads "
+                                                 "config.json and the tokenizer only)) and HF_HUB_OFFLINE=1 forbids "
+                                                 "downloading: run once online"),
+                         (dict(data="data/chats"), "hub: data='data/chats': no such local path, and data/chats@main "
+                                                   "is not in the hub cache"),
+                         (dict(init_from="out/x"), "hub: init_from='out/x': no such local path, and out/x@main")):
+        with pytest.raises(SystemExit) as e:
+            hub.resolve(values)
+        assert line in e.value.code and "convert the weights" not in e.value.code
+
+
+@pytest.mark.slow
+def test_an_empty_local_folder_spelt_as_a_hub_name(tmp_path):
+    """The local folder wins over the hub name, and the line says so, and that it lacks config.json."""
+    os.makedirs(tmp_path / MODEL)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train_sft.py"), f"--init_from={MODEL}", "--device=cpu",
+                        f"--out_dir={tmp_path / 'out'}"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, **offline_env(tmp_path / "home")})
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"config error: init_from='{MODEL}' is a local folder, read before any hub name, and it holds no config.json: "
+        f"pass a Hugging Face model folder, or move that folder away to read the hub repo of that name")
 
 
 def test_offline_reads_the_cache_and_never_the_network(tmp_path, repos, use_hub):
