@@ -155,6 +155,10 @@ def check_run(c, kind):
         hint = {"dpo": "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`",
                 "rl": "; RL starts from a fine-tuned model: make the default one with `python train_sft.py && "
                       "python train_dpo.py`"}.get(kind, "")
+        if os.path.isdir(c["init_from"]) and hub.spelt_as_name(c["init_from"]):  # the path wins over the name
+            fail(f"config error: init_from={c['init_from']!r} is a local folder, read before any hub name, and it "
+                 f"holds no config.json: pass a Hugging Face model folder, or move that folder away to read the hub "
+                 f"repo of that name")
         fail(f"config error: init_from={c['init_from']!r}; it is neither 'scratch', 'resume', a Hugging Face model "
              f"folder (with a config.json) nor a hub name (org/name[@revision]){hint}")
     if c["init_from"] != "resume":

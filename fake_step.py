@@ -20,6 +20,7 @@ workspaces (cuBLAS, compiled code) and tensors a kernel allocates inside itself 
 tensors: a DDP rank is planned unwrapped with its share of the batch (its buckets are its gradients:
 gradient_as_bucket_view). RL's decode attention is planned as the CPU's SDPA holds it (scores over the cached keys).
 """
+import glob
 import itertools
 import os
 import re
@@ -281,7 +282,9 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
         ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
         ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]]
-    patches += [(hub, "PLAN", True),  # a hub name: its config.json and tokenizer only, no weights, no data
+    patches += [(hub, "PLAN", True),  # a hub name: its config.json and tokenizer only, no weights
+                # one process stands for every rank: no other rank's commits to compare (a collective on fake ranks)
+                (hub, "check_same_on_all_ranks", lambda pins: None),
                 (configurator, "restore_saved", refuse_resume), (dataset, "read_prompts", read_prompts),
                 (generation, "generate", generate),
                 (generation, "packed", on_host(generation.packed)), (packing, "rank_bins", rank_bins),
@@ -422,4 +425,5 @@ def module_to(module, *args, **kwargs):
 
 
 def on_disk(data):
-    return data != "builtin" and os.path.exists(data)
+    """Data on this machine: a path, or a glob or comma-separated list (a hub split's files) of files that are there."""
+    return data != "builtin" and (os.path.exists(data) or all(glob.glob(p.strip()) for p in data.split(",")))

@@ -21,7 +21,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json",
 INDEX = "model.safetensors.index.json"
 NAME = re.compile(r"(?P<repo>[\w.-]+/[\w.-]+)(?P<sub>(/[\w.=-]+)*)(@(?P<revision>.+))?")
 PATH_LIKE = (".jsonl", ".json", ".parquet", ".csv", ".txt", ".gz", ".pt", ".py")  # a local file that is not there
-PLAN = False  # fake_step.py sets it: a plan reads config.json and the tokenizer, no weights and no data
+PLAN = False  # fake_step.py sets it: a plan reads config.json and the tokenizer, no weights (data as a run does)
 
 
 class RepoError(ValueError):
@@ -35,8 +35,12 @@ class CacheMiss(FileNotFoundError):
 def parse(value, dataset=False):
     """`org/name[/config][@revision]` -> (repo, config or folder, revision); None for a path that exists or a string
     that is not a name (it stays what it was, and whatever reads it says so)."""
-    if not isinstance(value, str) or os.path.exists(value) or value.startswith((".", "/", "~")) or \
-            value.split("@")[0].endswith(PATH_LIKE):
+    return None if not isinstance(value, str) or os.path.exists(value) else spelt_as_name(value, dataset)
+
+
+def spelt_as_name(value, dataset=False):
+    """parse's answer for a value, whether or not a path of that name exists."""
+    if value.startswith((".", "/", "~")) or value.split("@")[0].endswith(PATH_LIKE):
         return None
     m = NAME.fullmatch(value)
     if not m or (m["sub"] and not dataset) or "--" in m["repo"] or ".." in m["repo"]:
@@ -67,12 +71,13 @@ def resolve(values):
             fetch_key(key, repo, sub, commit, values, listings)
         print0(f"hub: {key} is {pin}, as the run recorded it")
     for key, (repo, sub, revision) in names.items():
-        if PLAN and key in DATA_KEYS:  # a plan takes data not on this machine as the worst case: nothing to download
-            continue
         folders[key], commit, files, size = fetch_key(key, repo, sub, revision, values, listings)
         pins[key] = f"{repo}{'/' + sub if sub else ''}@{commit}"
+        where = folders[key]
+        if key in DATA_KEYS and not os.path.isdir(where):  # the split's own files (a list): read as one split
+            folders[DATA_KEYS[key]], where = None, os.path.commonpath(where.split(","))
         print0(f"hub: {key}={values[key]} is commit {commit}: {len(files)} file(s), {size / 1e6:,.2f} MB, in "
-               f"{folders[key]}")
+               f"{where}")
     return folders, pins
 
 
@@ -151,7 +156,8 @@ def fetch(repo, kind, revision, listings, choose):
             with open(f"{ref}.{os.getpid()}.tmp", "w") as f:
                 f.write(commit)
             os.replace(f.name, ref)
-    return os.path.join(folder, sub) if sub else folder, commit, wanted, sum(files[f] for f in wanted)
+    where = ",".join(os.path.join(folder, f) for f in sub) if isinstance(sub, list) else os.path.join(folder, sub)
+    return where if sub else folder, commit, wanted, sum(files[f] for f in wanted)
 
 
 def storage(repo, kind):
@@ -186,6 +192,10 @@ def model_files(files, read, weights=True, config=True):
             return wanted + [INDEX] + sorted(set(json.load(f)["weight_map"].values()))
     if "model.safetensors" in files:
         return wanted + ["model.safetensors"]
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:  # the cache holds what was downloaded, and plan.py downloads no weights
+        raise CacheMiss("the cached snapshot holds no weights: they were never downloaded (plan.py reads config.json "
+                        "and the tokenizer only)")
     others = sorted(f for f in files if f.endswith((".bin", ".pth", ".gguf", ".pt", ".safetensors")))[:3]
     raise RepoError(f"no safetensors weights (model.safetensors or {INDEX}) at its root"
                     + (f", only {', '.join(others)}" if others else "") + "; nanopack reads safetensors only: "
@@ -193,23 +203,25 @@ def model_files(files, read, weights=True, config=True):
 
 
 def dataset_files(name, sub, split, split_key, files, read):
-    """-> (the folder data_files(folder, split) reads, the files to download) for one split of a dataset repo, found
-    as `datasets` finds them: the README's `configs:`, else the .parquet / .jsonl files of one folder by file name."""
+    """-> (the folder data_files(folder, split) reads, or else the split's files, read as one split as `datasets` reads
+    them; the files to download) for one split of a dataset repo, found as `datasets` finds them: the README's
+    `configs:`, else the .parquet / .jsonl files by file (or the Parquet conversion's folder) name."""
+    from huggingface_hub import constants
     configs = card_configs(read("README.md")) if "README.md" in files else {}
+    named = [c for c in configs if c != "__default__"]
+    if sub and named and sub not in configs and not any(f.startswith(f"{sub}/") for f in files):
+        raise RepoError(f"no config {sub!r} ({', '.join(named)}): name one, e.g. --data={name[:-len(sub)]}{named[0]}")
     config = sub if sub in configs else None if sub else default_config(configs, name)
     under = (sub or "") if config is None else configs[config] if isinstance(configs[config], str) else None
     if under is None:  # the config names each split's files
         by_split = {s: sorted(f for f in files if any(glob_match(p, f) for p in ps))
                     for s, ps in configs[config].items()}
-    else:  # a folder's record files, split by name as data_files splits them
-        records = sorted(f for f in files if f.startswith(f"{under}/" if under else "") and f.endswith(READABLE))
-        folders = sorted({os.path.dirname(f) for f in records})
-        if len(folders) > 1:
-            raise RepoError(f"record files in {len(folders)} folders ({', '.join(folders[:5])}): name one, "
-                            f"e.g. {name}/{folders[0]}")
-        by_split = {}
-        for f in records:
-            by_split.setdefault(split_name(f), []).append(f)
+    else:
+        by_split = folder_splits(name, under, files)
+    asked = by_split.get(split) if split is not None else [f for fs in by_split.values() for f in fs]
+    if constants.HF_HUB_OFFLINE and not asked and (under is not None or split in by_split):
+        # the cache holds only what was downloaded: a split never read online is not there
+        raise CacheMiss(f"the cached snapshot holds no file of {f'the split {split!r}' if split else 'its data'}")
     if not any(by_split.values()):
         raise RepoError(unreadable(name, files, configs))
     if split is None and len(by_split) > 1:
@@ -222,12 +234,22 @@ def dataset_files(name, sub, split, split_key, files, read):
     folder = os.path.dirname(picked[0])
     read_there = sorted(f for f in files if os.path.dirname(f) == folder and f.endswith(READABLE)
                         and (split is None or split_name(f) == split))
-    if read_there != picked:  # data_files(folder, split) would read other files or miss some: not its layout
-        repo = "/".join(name.split("/")[:2])
-        raise RepoError(f"the split's files ({', '.join(picked[:3])}) are not one folder's <split>-NNNNN shards, "
-                        f"which is what nanopack reads: download them by hand (hf download {repo} --repo-type dataset "
-                        f"--local-dir DIR) and pass --data=DIR/<their folder or a glob>")
-    return folder, ["README.md"] * ("README.md" in files) + picked
+    # data_files(folder, split) reads the same files, all of one split by name; or else the split's own list is read
+    whole = read_there == picked and len({split_name(f) for f in picked}) == 1
+    return folder if whole else picked, ["README.md"] * ("README.md" in files) + picked
+
+
+def folder_splits(name, under, files):
+    """-> {split: files} of the record files under a folder, split by file name as data_files splits them; a file
+    named by its shard number alone (the Parquet conversion's <config>/<split>/0000.parquet) by its folder's name."""
+    by_split = {}
+    for f in sorted(f for f in files if f.startswith(f"{under}/" if under else "") and f.endswith(READABLE)):
+        by_split.setdefault(split_name(f) or os.path.basename(os.path.dirname(f)), []).append(f)
+    folders = sorted({os.path.dirname(f) for fs in by_split.values() for f in fs})
+    if any(len({os.path.dirname(f) for f in fs}) > 1 for fs in by_split.values()):  # one split's in several configs
+        raise RepoError(f"record files in {len(folders)} folders ({', '.join(folders[:5])}): name one, "
+                        f"e.g. {name}/{folders[0]}")
+    return by_split
 
 
 def unreadable(name, files, configs):
@@ -295,7 +317,9 @@ def explain(e, repo, kind, revision):
     if isinstance(e, errors.RevisionNotFoundError):
         return f"{repo} has no revision {revision!r} (a branch, tag or commit): see {page}/tree/main"
     if isinstance(e, (CacheMiss, errors.LocalEntryNotFoundError)) and constants.HF_HUB_OFFLINE:
-        return (f"{repo}@{revision or 'main'} is not in the hub cache ({constants.HF_HUB_CACHE}"
+        # nothing of the repo cached: the name may be a relative path mistyped
+        path = "" if os.path.isdir(storage(repo, kind)) else "no such local path, and "
+        return (f"{path}{repo}@{revision or 'main'} is not in the hub cache ({constants.HF_HUB_CACHE}"
                 f"{'; ' + str(e) if str(e) else ''}) and HF_HUB_OFFLINE=1 forbids downloading: run once online, "
                 f"or unset HF_HUB_OFFLINE")
     if isinstance(e, errors.HfHubHTTPError) and status:

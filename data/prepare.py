@@ -12,7 +12,7 @@ either gzipped (.jsonl.gz, .json.gz), a .parquet file (a record a row, read row 
 pyarrow; a null field is read as absent, since Arrow gives every row every key of a column), a folder of such shards,
 a quoted glob, or files and globs separated by commas ('a.jsonl,b.jsonl'). A glob or a list is one split; a folder's
 files form splits by name (train_prefs-00000-of-00001.parquet: split train_prefs), several need --data_split
-(--val_split).
+(--val_split). A hub name (org/name[/config][@revision]; --tokenizer's too) is downloaded as the scripts download it.
 
 Records (the first good one decides SFT or DPO, one kind per input; other fields, e.g. id, ignored):
   SFT  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}  (e.g. Tulu 3 SFT mixture)
@@ -434,14 +434,27 @@ def template_kwargs(text):
                                      f"Python dict (\"{{'enable_thinking': False}}\")")
 
 
+def resolve_names(args):
+    """Hub names among --input, --val_input and --tokenizer -> their snapshot folders in the hub cache, downloaded as
+    the scripts download them (a dataset's --data_split files only), a line printed for each."""
+    import hub
+    keys = dict(data="input", data_split="data_split", val_data="val_input", val_split="val_split",
+                tokenizer="tokenizer")
+    values = {key: getattr(args, name) for key, name in keys.items()}
+    folders, _ = hub.resolve(values)
+    for key, value in folders.items():
+        setattr(args, keys[key], value)
+
+
 if __name__ == "__main__":
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input", required=True, help="a .jsonl, .json or .parquet file (.gz too), a folder of shards, "
-                   "a quoted glob, or files and globs separated by commas")
+                   "a quoted glob, files and globs separated by commas, or a hub dataset (org/name[/config][@rev])")
     p.add_argument("--data_split", default=None, help="the split to read from a folder holding several, e.g. "
                    "train_prefs")
     p.add_argument("--out_dir", required=True)
-    p.add_argument("--tokenizer", default="byte", help='"byte", or a model folder with tokenizer.json/.model')
+    p.add_argument("--tokenizer", default="byte", help='"byte", a model folder with tokenizer.json/.model, or a hub '
+                   'model (org/name[@revision])')
     p.add_argument("--max_len", type=int, default=4096, help="longest sequence, in tokens")
     p.add_argument("--overlong", choices=OVERLONG, default="error")
     p.add_argument("--bad_records", choices=BAD_RECORDS, default="error", help="error: stop, naming the first bad "
@@ -461,6 +474,7 @@ if __name__ == "__main__":
     p.add_argument("--escape_special_text", action="store_true", help="special-token text in messages that the "
                    "template does not parse stays plain text (untrusted data)")
     args = p.parse_args()
+    resolve_names(args)
     try:
         prepare(args.input, args.out_dir, args.tokenizer, args.max_len, args.overlong, args.val_fraction,
                 args.seed, data_split=args.data_split, val_input=args.val_input, val_split=args.val_split,

@@ -206,7 +206,8 @@ def write_parquet(path, records):
 
 def dataset_repos(root):
     """{repo: folder}: chats with data/train and data/test shards (no card); ultrafeedback-shaped prefs whose README
-    `configs:` names its splits; RL prompts as JSONL; a repo built by a loading script."""
+    `configs:` names its splits; two whose one split is a glob or a list of files; RL prompts as JSONL; a repo built by
+    a loading script."""
     out = {}
     folder = out["nanopack-test/chats"] = os.path.join(root, "chats")
     write_parquet(os.path.join(folder, "data", "train-00000-of-00001.parquet"), chats(24))
@@ -234,6 +235,16 @@ def dataset_repos(root):
     folder = out["nanopack-test/converted"] = os.path.join(root, "converted")  # the hub's refs/convert/parquet
     for shard in range(2):
         write_parquet(os.path.join(folder, "default", "train", f"{shard:04d}.parquet"), chats(4, offset=10 * shard))
+    for name, card in (("globbed", "  data_files:\n  - split: train\n    path: data/*.jsonl\n"),
+                       ("listed", "  data_files: [a.jsonl, b.jsonl]\n")):  # one split as a glob, or a list of files
+        folder = out[f"nanopack-test/{name}"] = os.path.join(root, name)
+        under = os.path.join(folder, "data" if name == "globbed" else "")
+        os.makedirs(under, exist_ok=True)
+        for part, offset in (("a", 0), ("b", 10)):
+            with open(os.path.join(under, f"{part}.jsonl"), "w") as f:
+                f.writelines(json.dumps(c) + "\n" for c in chats(3, offset))
+        with open(os.path.join(folder, "README.md"), "w") as f:
+            f.write("---\nconfigs:\n- config_name: default\n" + card + "---\n")
     folder = out["nanopack-test/scripted"] = os.path.join(root, "scripted")
     os.makedirs(folder)
     with open(os.path.join(folder, "scripted.py"), "w") as f:

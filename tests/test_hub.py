@@ -35,7 +35,7 @@ def server(repos):
     s = HubServer()
     s.add("model", MODEL, repos["model"])
     for name in ("nanopack-test/chats", "nanopack-test/prefs", "nanopack-test/prompts", "nanopack-test/scripted",
-                 "nanopack-test/math"):
+                 "nanopack-test/math", "nanopack-test/globbed", "nanopack-test/listed"):
         s.add("dataset", name, repos[name])
     s.add("dataset", "nanopack-test/converted", repos["nanopack-test/converted"], revisions=("refs/convert/parquet",))
     s.add("model", "nanopack-test/sharded", repos["sharded"])
@@ -139,6 +139,8 @@ def test_downloads_only_what_a_run_reads(server, use_hub):
     (dict(data="nanopack-test/math"), "configs main, socratic and none is the default: name one, "
                                       "--data=nanopack-test/math/main"),
     (dict(data="nanopack-test/math/main"), "several splits (test, train): choose one with --data_split"),
+    (dict(data="nanopack-test/math/Main"), "nanopack-test/math: no config 'Main' (main, socratic): name one, e.g. "
+                                           "--data=nanopack-test/math/main"),
 ])
 def test_hub_failures_are_one_line(server, use_hub, values, line):
     use_hub(server.endpoint)
@@ -162,6 +164,83 @@ def test_sharded_weights_and_dataset_configs(server, use_hub):
     assert sorted(os.listdir(folders["val_data"])) == ["0000.parquet", "0001.parquet"]
     from data.prepare import data_files
     assert len(data_files(folders["val_data"])) == 2 and len(data_files(folders["data"], "test")) == 1
+
+
+@pytest.mark.parametrize("data, split", [("nanopack-test/globbed", None), ("nanopack-test/globbed", "train"),
+                                         ("nanopack-test/listed", None), ("nanopack-test/listed", "train"),
+                                         ("nanopack-test/converted/default@refs/convert/parquet", "train")])
+def test_one_split_as_the_card_or_the_conversion_lays_it_out(server, use_hub, data, split):
+    """A README's one split as a glob or a list of files is read as `datasets` reads it: one split, 'train', its files
+    and no others; the Parquet conversion's <config>/<split>/NNNN.parquet: the split is the folder."""
+    from data.records import data_files, read_records
+    use_hub(server.endpoint)
+    folders, _ = hub.resolve(dict(data=data, data_split=split))
+    assert folders["data_split"] is None  # the run reads the split's own files
+    files = data_files(folders["data"], folders["data_split"])
+    assert len(list(read_records(files, verbose=False))) == (6 if "converted" not in data else 8)
+    assert [os.path.basename(f) for f in files] in (["a.jsonl", "b.jsonl"], ["0000.parquet", "0001.parquet"])
+
+
+@pytest.mark.slow
+def test_prepare_takes_hub_names(tmp_path, repos):
+    """data/prepare.py reads --input, --val_input and --tokenizer by hub name, as the scripts do."""
+    env = {**os.environ, **offline_env(tmp_path / "home")}
+    cached(str(tmp_path / "home"), repos, COMMITS)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "data", "prepare.py"), "--input", "nanopack-test/chats",
+                        "--data_split", "train", "--val_input", "nanopack-test/chats", "--val_split", "test",
+                        "--tokenizer", MODEL, "--out_dir", str(tmp_path / "out")], env=env, capture_output=True,
+                       text=True)
+    assert r.returncode == 0, r.stderr
+    meta = json.load(open(tmp_path / "out" / "meta.json"))
+    assert (meta["counts"]["train"]["examples"], meta["counts"]["val"]["examples"]) == (24, 4)
+    assert meta["vocab_size"] == 258 and f"hub: tokenizer={MODEL} is commit {'a' * 40}" in r.stdout
+
+
+def test_offline_split_never_downloaded(tmp_path, repos, use_hub):
+    """Offline, a split the cache lacks (only another was read online) is the cache's gap, not the repo's."""
+    cache = use_hub(offline=True)
+    shutil.copytree(repos["nanopack-test/prefs"], tmp_path / "prefs",
+                    ignore=shutil.ignore_patterns("test_prefs-*"))
+    lay_out_cache(cache, "dataset", "nanopack-test/prefs", str(tmp_path / "prefs"), COMMITS["nanopack-test/prefs"])
+    shutil.copytree(repos["nanopack-test/chats"], tmp_path / "chats", ignore=shutil.ignore_patterns("test-*"))
+    lay_out_cache(cache, "dataset", "nanopack-test/chats", str(tmp_path / "chats"), COMMITS["nanopack-test/chats"])
+    for name, split in (("nanopack-test/prefs", "test_prefs"), ("nanopack-test/chats", "test")):
+        with pytest.raises(SystemExit) as e:
+            hub.resolve(dict(data=name, data_split=split))
+        assert f"the cached snapshot holds no file of the split '{split}') and HF_HUB_OFFLINE=1 forbids " \
+               f"downloading: run once online" in e.value.code
+    assert hub.resolve(dict(data="nanopack-test/chats", data_split="train"))[0]["data"].endswith("data")
+
+
+def test_offline_lines_say_what_is_missing(tmp_path, repos, use_hub, monkeypatch):
+    """Offline: a model cached as plan.py left it (config and tokenizer, no weights) says the weights were never
+    downloaded; a two-part relative path that is not there says so first."""
+    cache = use_hub(offline=True)
+    shutil.copytree(repos["model"], tmp_path / "planned", ignore=shutil.ignore_patterns("*.safetensors", "*.bin",
+                                                                                       "*.pth", "*.gguf"))
+    lay_out_cache(cache, "model", MODEL, str(tmp_path / "planned"), COMMITS["model"])
+    monkeypatch.chdir(tmp_path)
+    for values, line in ((dict(init_from=MODEL), "holds no weights: they were never downloaded (plan.py reads "
+                                                 "config.json and the tokenizer only)) and HF_HUB_OFFLINE=1 forbids "
+                                                 "downloading: run once online"),
+                         (dict(data="data/chats"), "hub: data='data/chats': no such local path, and data/chats@main "
+                                                   "is not in the hub cache"),
+                         (dict(init_from="out/x"), "hub: init_from='out/x': no such local path, and out/x@main")):
+        with pytest.raises(SystemExit) as e:
+            hub.resolve(values)
+        assert line in e.value.code and "convert the weights" not in e.value.code
+
+
+@pytest.mark.slow
+def test_an_empty_local_folder_spelt_as_a_hub_name(tmp_path):
+    """The local folder wins over the hub name, and the line says so, and that it lacks config.json."""
+    os.makedirs(tmp_path / MODEL)
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train_sft.py"), f"--init_from={MODEL}", "--device=cpu",
+                        f"--out_dir={tmp_path / 'out'}"], cwd=tmp_path, capture_output=True, text=True,
+                       env={**os.environ, **offline_env(tmp_path / "home")})
+    assert r.returncode == 1 and r.stderr.strip() == (
+        f"config error: init_from='{MODEL}' is a local folder, read before any hub name, and it holds no config.json: "
+        f"pass a Hugging Face model folder, or move that folder away to read the hub repo of that name")
 
 
 def test_offline_reads_the_cache_and_never_the_network(tmp_path, repos, use_hub):
@@ -278,21 +357,42 @@ def test_dpo_and_rl_by_name(tmp_path, repos):
     assert f"hub: init_from={MODEL}@v2 is commit {'b' * 40}" in out.stdout
 
 
-def test_sample_and_plan_by_name(server, use_hub, monkeypatch, capsys):
-    """sample.py talks to a model by name; plan.py plans one by name from its config.json and tokenizer files alone
-    (data by name it does not download: the worst case stands for it)."""
+def test_sample_and_plan_by_name(server, use_hub, repos, monkeypatch, capsys):
+    """sample.py talks to a model by name; plan.py plans one by name from its config.json and tokenizer files alone,
+    and data by name from its files, downloaded as a run downloads them: the same step as the same data on disk."""
     import runpy
     import plan
     use_hub(server.endpoint)
     server.log.clear()
-    result = plan.plan_step(os.path.join(ROOT, "train_sft.py"), [f"--init_from={MODEL}", "--data=nanopack-test/chats",
-                            "--data_split=train", "--batch_size=2", "--microbatch_tokens=256"], device="cpu")
+    args = [f"--init_from={MODEL}", "--data_split=train", "--batch_size=2", "--microbatch_tokens=256"]
+    result = plan.plan_step(os.path.join(ROOT, "train_sft.py"), [*args, "--data=nanopack-test/chats"], device="cpu")
     assert result["by_category"]["parameters"] > 0
-    assert sorted(server.downloads()) == ["config.json", "generation_config.json", "tokenizer.json",
-                                          "tokenizer_config.json"]
+    assert sorted(server.downloads()) == ["config.json", "data/train-00000-of-00001.parquet", "generation_config.json",
+                                          "tokenizer.json", "tokenizer_config.json"]
+    on_disk = plan.plan_step(os.path.join(ROOT, "train_sft.py"),
+                             [*args, f"--data={os.path.join(repos['nanopack-test/chats'], 'data')}"], device="cpu")
+    assert result["tokens"] == on_disk["tokens"] < 256
     monkeypatch.setattr(sys, "argv", ["sample.py", f"--model={MODEL}", "--prompt=hi", "--max_new_tokens=2",
                                       "--device=cpu"])
     runpy.run_path(os.path.join(ROOT, "sample.py"), run_name="__main__")
     out = capsys.readouterr().out
     assert f"hub: model={MODEL} is commit" in out and out.rstrip().endswith("---")
     assert "model.safetensors" in server.downloads()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script, extra", [
+    ("train_sft.py", ["--parallel=fsdp", f"--init_from={MODEL}", "--data=nanopack-test/listed"]),
+    ("train_dpo.py", ["--parallel=ddp", f"--init_from={MODEL}", "--data=nanopack-test/prefs",
+                      "--data_split=train_prefs"]),
+    ("train_sft.py", ["--parallel=ddp", "--init_from=scratch", "--preset=tiny", f"--tokenizer={MODEL}"])])
+def test_plan_by_name_on_several_gpus(server, use_hub, script, extra):
+    """The headline use: a plan of 8 GPUs of a model by name (its commits compared across ranks in a run: a plan's one
+    process has no other rank, and a collective on the fake ranks reads no value)."""
+    import plan
+    use_hub(server.endpoint)
+    result = plan.plan_step(os.path.join(ROOT, script), [*extra, "--batch_size=8", "--microbatch_tokens=256"], gpus=8,
+                            device="cpu")
+    assert result["by_category"]["parameters"] > 0
+    if "--data=nanopack-test/listed" in extra:  # its 6 short chats (the split's own files), not 8 x 256 worst-case tokens
+        assert result["tokens"] < 256

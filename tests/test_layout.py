@@ -11,7 +11,8 @@ FLOORS = [  # lowest first: a module may import only from floors below its own
     ("kernels", "packing", "chat_template", "parallel", "losses"),
     ("tokenizer", "context", "data.records"),
     ("model",),
-    ("hf", "hub", "generate", "data.prepare"),
+    ("hf", "hub", "generate"),
+    ("data.prepare",),  # takes hub names, as the scripts do
     ("data.arithmetic", "lora", "metrics"),
     ("checkpoint", "data.dataset", "rewards"),  # rewards: loads data.arithmetic's reward by name
     ("configurator",),
