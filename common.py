@@ -64,6 +64,7 @@ class Run:
     saved_iter: int = None     # the iteration ckpt.pt holds (None: none yet); save_checkpoint moves it
     adapters: dict = None      # LoRA settings (rank, alpha, dropout, targets, quantize); None: full fine-tuning
     cp: context.ContextParallel = None  # this rank's CP group (size 1: none) and data-parallel rank / size
+    kind: str = None           # 'sft', 'dpo' or 'rl': the script, train_<kind>.py, that the checkpoint records
 
     @property
     def master(self):
@@ -265,7 +266,7 @@ def setup(config, kind, builtin_sizes=None):
                raw_model=raw_model, optimizer=optimizer, loader=loader, start_iter=start_iter, max_iters=max_iters,
                out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved, saved_iter=saved_iter,
                guard=StepGuard(c["max_bad_steps"], ckpt_path, model, ckpt and ckpt.get("guard")), adapters=adapters,
-               cp=cp)
+               cp=cp, kind=kind)
 
 
 def build_model(model_config, start, seed, device, parallel, world_size, param_dtype, compile=False,

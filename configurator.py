@@ -166,7 +166,9 @@ def restore_saved(config, values, given):
     if not os.path.exists(path):
         raise ConfigError(f"init_from='resume' but {path} does not exist; run without init_from='resume' first, "
                           f"or point out_dir at the run to continue")
-    saved = load_checkpoint(path)["config"]
+    ckpt = load_checkpoint(path)
+    check_same_script(ckpt, os.path.basename(config.get("__file__") or ""), values["out_dir"])
+    saved = ckpt["config"]
     for key, old in saved.items():
         if key not in values or key in ("init_from", "out_dir"):  # where the run is now, and that it resumes
             continue
@@ -182,6 +184,19 @@ def restore_saved(config, values, given):
     if saved.get("hub"):  # the commits the run read: it reads them again
         values["hub"] = saved["hub"]
     return values
+
+
+def check_same_script(ckpt, script, out_dir):
+    """A run is resumed by the script that made it: another would train its own objective from the checkpoint and
+    replace the run's files with its own."""
+    saved = ckpt["config"]
+    # a ckpt.pt of an older nanopack did not record its script: its config's keys tell
+    made_by = ckpt.get("script") or ("train_rl.py" if "reward" in saved else "train_dpo.py" if "loss_type" in saved
+                                     else "train_sft.py")
+    if script.startswith("train_") and script != made_by:
+        hf = os.path.join(out_dir, "hf")
+        raise ConfigError(f"{out_dir} holds a {made_by} run; resume it with {made_by}, or start {script} from {hf} "
+                          f"(--init_from={hf}, in another --out_dir)")
 
 
 def is_key(name, value):
