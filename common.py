@@ -64,7 +64,7 @@ class Run:
     saved_iter: int = None     # the iteration ckpt.pt holds (None: none yet); save_checkpoint moves it
     adapters: dict = None      # LoRA settings (rank, alpha, dropout, targets, quantize); None: full fine-tuning
     cp: context.ContextParallel = None  # this rank's CP group (size 1: none) and data-parallel rank / size
-    kind: str = None           # 'sft', 'dpo' or 'rl': the script, train_<kind>.py, that the checkpoint records
+    kind: str = None           # 'sft', 'dpo' or 'rl': the checkpoint records train_<kind>.py
 
     @property
     def master(self):

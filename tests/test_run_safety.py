@@ -281,19 +281,22 @@ def test_non_finite_steps_in_a_row_are_counted_across_a_resume(tmp_path):
 
 
 def run_files(out_dir):
-    """Every file of a run folder with its bytes: what another script's resume must leave as it was."""
+    """Every file of a run folder with its bytes: what another script's resume leaves as it was."""
     return {os.path.relpath(os.path.join(d, f), out_dir): open(os.path.join(d, f), "rb").read()
             for d, _, names in os.walk(out_dir) for f in names}
 
 
 @pytest.mark.slow
 def test_resuming_another_scripts_run_is_one_line_and_touches_nothing(tmp_path, sft_data, dpo_data):
-    """The reported case: train_rl.py --init_from=resume on an SFT run trained RL from it and replaced its files."""
+    """The reported case: train_rl.py --init_from=resume on an SFT run trained RL from it and
+    replaced its files."""
     runs = dict(sft=str(tmp_path / "sft"), dpo=str(tmp_path / "dpo"))
-    run_script("train_sft.py", as_args(**dict(SFT, out_dir=runs["sft"], data=sft_data, max_iters=1)))
-    run_script("train_dpo.py", as_args(**dict(SFT, out_dir=runs["dpo"], data=dpo_data, max_iters=1, batch_size=8,
-                                              init_from="scratch")))
-    old = str(tmp_path / "old")  # a ckpt.pt of an older nanopack, which records no script: its keys tell
+    one_step = dict(SFT, max_iters=1)
+    run_script("train_sft.py", as_args(**one_step, out_dir=runs["sft"], data=sft_data))
+    run_script("train_dpo.py", as_args(**dict(one_step, out_dir=runs["dpo"], data=dpo_data,
+                                              batch_size=8, init_from="scratch")))
+    # a ckpt.pt of an older nanopack, which records no script: its keys tell
+    old = str(tmp_path / "old")
     shutil.copytree(runs["dpo"], old)
     ckpt = torch.load(os.path.join(old, "ckpt.pt"), weights_only=True)
     ckpt.pop("script", None)
@@ -307,6 +310,6 @@ def test_resuming_another_scripts_run_is_one_line_and_touches_nothing(tmp_path, 
         out = run_script(script, [f"--out_dir={out_dir}", "--init_from=resume"], check=False)
         hf = os.path.join(out_dir, "hf")
         assert out.returncode != 0 and out.stderr.strip() == (
-            f"config error: {out_dir} holds a {made_by} run; resume it with {made_by}, or start {script} from {hf} "
-            f"(--init_from={hf}, in another --out_dir)"), out.stderr[-2000:]
+            f"config error: {out_dir} holds a {made_by} run; resume it with {made_by}, or start "
+            f"{script} from {hf} (--init_from={hf}, in another --out_dir)"), out.stderr[-2000:]
         assert run_files(out_dir) == before
