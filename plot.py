@@ -5,11 +5,13 @@ Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line pe
     python plot.py out/dpo/metrics.jsonl --out=dpo.png     # a run's out_dir, or its metrics.jsonl
     python plot.py out/grpo out/dapo --overlay     # runs from the same start, each drawn from step 0
 
-Panels, those some run logged: training and held-out loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in
-task: greedy replies in the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected
-responses (if logps_chosen falls with logps_rejected, the policy is displacing likelihood, not preferring); for RL runs
-the mean reward of each step's sampled replies. Each run's steps follow the last's (--overlay: all start at 0). A run
-is named by its folder, with the folders above it that tell runs of the same name apart (a/sft, b/sft).
+Panels, those some run logged: training and held-out loss; held-out exact-match accuracy; the
+preferred-behaviour rate (built-in task: greedy replies in the plain style); for DPO runs the reward
+margin and the log-probs of chosen and rejected responses (if logps_chosen falls with
+logps_rejected, the policy is displacing likelihood, not preferring); for RL runs the mean reward of
+each step's sampled replies. Each run's steps follow the last's (--overlay: all start at 0). A run
+is named by its folder, with the folders above it that tell runs of the same name apart (a/sft,
+b/sft).
 """
 
 import json
