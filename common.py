@@ -3,8 +3,10 @@ One way to build a training run, so that each train_*.py holds only its own loop
 keys setup reads; StepGuard skips non-finite updates and has the ranks agree on a stop (parallel.StopSignal), which
 the scripts turn into a checkpoint.
 """
+import glob
 import math
 import os
+import re
 import shutil
 import signal
 import time
@@ -156,6 +158,9 @@ def check_run(c, kind):
         hint = {"dpo": "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`",
                 "rl": "; RL starts from a fine-tuned model: make the default one with `python train_sft.py && "
                       "python train_dpo.py`"}.get(kind, "")
+        pair = config_leaving(c["init_from"])
+        if pair and kind != "sft":
+            hint = f"; {kind.upper()} starts from a fine-tuned model: make this one with `{pair}`"
         fail(f"config error: init_from={c['init_from']!r}; it is neither 'scratch', 'resume', a Hugging Face model "
              f"folder (with a config.json) nor a hub name (org/name[@revision]){hint}")
     if c["init_from"] != "resume":
@@ -177,6 +182,17 @@ def check_run(c, kind):
     if c["init_from"] != "resume" and not c["overwrite"] and os.path.exists(os.path.join(c["out_dir"], "ckpt.pt")):
         fail(f"config error: {c['out_dir']} already holds a run (ckpt.pt); continue it with --init_from=resume, or "
              f"start over there with --overwrite=True, or choose another out_dir")
+
+
+def config_leaving(folder):
+    """The command that leaves folder (out/<run>/hf) when a config/ file writes out/<run>."""
+    run = os.path.dirname(os.path.normpath(folder))
+    configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+    for path in sorted(glob.glob(os.path.join(configs, "*.py"))):
+        name = os.path.basename(path)
+        if re.search(rf'^out_dir = "{re.escape(run)}"', open(path).read(), re.M):
+            return f"python train_{name.split('_')[0]}.py config/{name}"
+    return None
 
 
 def setup(config, kind, builtin_sizes=None):
@@ -244,6 +260,9 @@ def setup(config, kind, builtin_sizes=None):
         if c["batch_size"] > len(loader.lengths):
             print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))
+    if 0 < max_iters <= c["warmup_iters"]:  # the learning rate never reaches learning_rate
+        print0(f"note: warmup_iters={c['warmup_iters']} is at least the run's {max_iters} steps: "
+               f"every step warms up, learning_rate is never reached; lower --warmup_iters")
     start_iter, saved, saved_iter = 0, {}, None
     if resume:
         restore_checkpoint(ckpt, c["out_dir"], model, optimizer)

@@ -313,3 +313,13 @@ def test_resuming_another_scripts_run_is_one_line_and_touches_nothing(tmp_path, 
             f"config error: {out_dir} holds a {made_by} run; resume it with {made_by}, or start "
             f"{script} from {hf} (--init_from={hf}, in another --out_dir)"), out.stderr[-2000:]
         assert run_files(out_dir) == before
+
+
+@pytest.mark.slow
+def test_a_run_shorter_than_its_warmup_says_so(tmp_path, sft_data):
+    """The reported case: warmup_iters=20 (the fine-tuning default) over a 4-step run."""
+    out = run_script("train_sft.py", as_args(**dict(SFT, out_dir=tmp_path / "run", data=sft_data,
+                                                    warmup_iters=20)))
+    assert "note: warmup_iters=20 is at least the run's 4 steps: every step warms up" in out.stdout
+    out = run_script("train_sft.py", as_args(**dict(SFT, out_dir=tmp_path / "ok", data=sft_data)))
+    assert "warmup_iters" not in out.stdout  # warmup_iters=0
