@@ -56,7 +56,8 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
             torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
                             iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
                             data_dir=run.data_dir and portable(run.data_dir, run.out_dir), start=run.start,
-                            guard=run.guard.counts(), extra=extra), small)
+                            guard=run.guard.counts(), extra=extra, script=f"train_{run.kind}.py"),
+                       small)
             with open(tmp, "wb") as f:
                 f.write(small.getbuffer())
                 f.flush()

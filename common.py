@@ -3,8 +3,10 @@ One way to build a training run, so that each train_*.py holds only its own loop
 keys setup reads; StepGuard skips non-finite updates and has the ranks agree on a stop (parallel.StopSignal), which
 the scripts turn into a checkpoint.
 """
+import glob
 import math
 import os
+import re
 import shutil
 import signal
 import time
@@ -64,6 +66,7 @@ class Run:
     saved_iter: int = None     # the iteration ckpt.pt holds (None: none yet); save_checkpoint moves it
     adapters: dict = None      # LoRA settings (rank, alpha, dropout, targets, quantize); None: full fine-tuning
     cp: context.ContextParallel = None  # this rank's CP group (size 1: none) and data-parallel rank / size
+    kind: str = None           # 'sft', 'dpo' or 'rl': the checkpoint records train_<kind>.py
 
     @property
     def master(self):
@@ -155,6 +158,9 @@ def check_run(c, kind):
         hint = {"dpo": "; DPO starts from a fine-tuned model: make the default one with `python train_sft.py`",
                 "rl": "; RL starts from a fine-tuned model: make the default one with `python train_sft.py && "
                       "python train_dpo.py`"}.get(kind, "")
+        pair = config_leaving(c["init_from"])
+        if pair and kind != "sft":
+            hint = f"; {kind.upper()} starts from a fine-tuned model: make this one with `{pair}`"
         if os.path.isdir(c["init_from"]) and hub.spelt_as_name(c["init_from"]):  # the path wins over the name
             fail(f"config error: init_from={c['init_from']!r} is a local folder, read before any hub name, and it "
                  f"holds no config.json: pass a Hugging Face model folder, or move that folder away to read the hub "
@@ -180,6 +186,17 @@ def check_run(c, kind):
     if c["init_from"] != "resume" and not c["overwrite"] and os.path.exists(os.path.join(c["out_dir"], "ckpt.pt")):
         fail(f"config error: {c['out_dir']} already holds a run (ckpt.pt); continue it with --init_from=resume, or "
              f"start over there with --overwrite=True, or choose another out_dir")
+
+
+def config_leaving(folder):
+    """The command that leaves folder (out/<run>/hf) when a config/ file writes out/<run>."""
+    run = os.path.dirname(os.path.normpath(folder))
+    configs = os.path.join(os.path.dirname(os.path.abspath(__file__)), "config")
+    for path in sorted(glob.glob(os.path.join(configs, "*.py"))):
+        name = os.path.basename(path)
+        if re.search(rf'^out_dir = "{re.escape(run)}"', open(path).read(), re.M):
+            return f"python train_{name.split('_')[0]}.py config/{name}"
+    return None
 
 
 def setup(config, kind, builtin_sizes=None):
@@ -247,6 +264,9 @@ def setup(config, kind, builtin_sizes=None):
         if c["batch_size"] > len(loader.lengths):
             print0(f"note: batch_size={c['batch_size']} is more than the {units}: each step takes all of them")
     max_iters = c["max_iters"] or max(1, round(c["epochs"] * len(loader)))
+    if 0 < max_iters <= c["warmup_iters"]:  # the learning rate never reaches learning_rate
+        print0(f"note: warmup_iters={c['warmup_iters']} is at least the run's {max_iters} steps: "
+               f"every step warms up, learning_rate is never reached; lower --warmup_iters")
     start_iter, saved, saved_iter = 0, {}, None
     if resume:
         restore_checkpoint(ckpt, c["out_dir"], model, optimizer)
@@ -269,7 +289,7 @@ def setup(config, kind, builtin_sizes=None):
                raw_model=raw_model, optimizer=optimizer, loader=loader, start_iter=start_iter, max_iters=max_iters,
                out_dir=c["out_dir"], ckpt_path=ckpt_path, saved=saved, saved_iter=saved_iter,
                guard=StepGuard(c["max_bad_steps"], ckpt_path, model, ckpt and ckpt.get("guard")), adapters=adapters,
-               cp=cp)
+               cp=cp, kind=kind)
 
 
 def build_model(model_config, start, seed, device, parallel, world_size, param_dtype, compile=False,

@@ -78,10 +78,13 @@ def configure(config, argv=None, finetune=None, rules=None, presets=None):
         raise SystemExit(0)
     given = set()  # keys set by argv: a config file or --key=value
     try:
-        values = apply_overrides(config, argv, given)
+        values, reads = apply_overrides(config, argv, given), None
         if values.get("init_from") == "resume":
-            values = restore_saved(config, values, given)
-        folders, pins = hub.resolve(values)  # hub names -> their local snapshot folders; the commits recorded
+            values, reads = restore_saved(config, values, given)
+        # hub names -> their local snapshot folders; the commits recorded
+        folders, pins = hub.resolve(values, reads)
+        if folders:  # as given: the same command, with --init_from=resume, continues the run
+            values["hub_names"] = {k: values[k] for k in folders}
         values.update(folders)
         config.update(folders)
         if pins:
@@ -167,12 +170,15 @@ def restore_saved(config, values, given):
     if not os.path.exists(path):
         raise ConfigError(f"init_from='resume' but {path} does not exist; run without init_from='resume' first, "
                           f"or point out_dir at the run to continue")
-    saved = load_checkpoint(path)["config"]
+    ckpt = load_checkpoint(path)
+    check_same_script(ckpt, os.path.basename(config.get("__file__") or ""), values["out_dir"])
+    saved = ckpt["config"]
+    pins, names = saved.get("hub") or {}, saved.get("hub_names") or {}
     for key, old in saved.items():
         if key not in values or key in ("init_from", "out_dir"):  # where the run is now, and that it resumes
             continue
         new = values[key]
-        if key not in given or new == old or hub.recorded_as(new, (saved.get("hub") or {}).get(key)):
+        if key not in given or new == old or hub.recorded_as(new, pins.get(key), names.get(key)):
             values[key] = config[key] = old
         elif key in FIXED_ON_RESUME:
             old = (saved.get("hub") or {}).get(key, old)  # a hub name: as the run recorded it, not its cache folder
@@ -180,9 +186,34 @@ def restore_saved(config, values, given):
                               f"change on resume; drop --{key}, or start a new run in another out_dir")
         elif is_master():
             print(f"resume: overriding {key} {old!r} -> {new!r}", flush=True)
-    if saved.get("hub"):  # the commits the run read: it reads them again
-        values["hub"] = saved["hub"]
-    return values
+    if pins:  # the commits the run read: it reads them again
+        values["hub"], values["hub_names"] = pins, names
+    return values, resume_reads(ckpt)
+
+
+def resume_reads(ckpt):
+    """What a resumed run reads of the repos its config names, besides config and tokenizer files: a
+    base model's weights only for LoRA's frozen base or a live reference model (a full fine-tune
+    resumes from its DCP checkpoint); data only without a prepared copy in out_dir (RL's
+    prompts)."""
+    c = ckpt["config"]
+    live = c.get("reference") == "live" or c.get("kl_coef") or c.get("loss") == "online_dpo"
+    data_dir = ckpt.get("data_dir")
+    data = not data_dir or os.path.isabs(data_dir)
+    return dict(weights=bool(c.get("lora_rank") or live), data=data)
+
+
+def check_same_script(ckpt, script, out_dir):
+    """A run is resumed by the script that made it: another would train its own objective from the
+    checkpoint and replace the run's files with its own."""
+    saved = ckpt["config"]
+    # a ckpt.pt of an older nanopack did not record its script: its config's keys tell
+    made_by = ckpt.get("script") or ("train_rl.py" if "reward" in saved else
+                                     "train_dpo.py" if "loss_type" in saved else "train_sft.py")
+    if script.startswith("train_") and script != made_by:
+        hf = os.path.join(out_dir, "hf")
+        raise ConfigError(f"{out_dir} holds a {made_by} run; resume it with {made_by}, or start "
+                          f"{script} from {hf} (--init_from={hf}, in another --out_dir)")
 
 
 def is_key(name, value):

@@ -48,10 +48,11 @@ def spelt_as_name(value, dataset=False):
     return m["repo"], m["sub"].strip("/") or None, m["revision"]
 
 
-def resolve(values):
+def resolve(values, reads=None):
     """configure()'s hook -> ({key: local folder} for each hub name among values' keys, {key: 'org/name@commit'}),
     a line printed for each. On resume values['hub'] holds the run's own pins: read again, whatever the branches say
-    now (a snapshot gone from the cache is fetched again at its commit)."""
+    now (a snapshot gone from the cache is fetched again at its commit, as far as the run reads
+    it: a model's weights with reads['weights'], a dataset with reads['data'])."""
     names = {k: p for k in (*MODEL_KEYS, *DATA_KEYS) if k in values and (p := parse(values[k], k in DATA_KEYS))}
     recorded = values.get("hub") or {}
     if not names and not recorded:
@@ -65,10 +66,14 @@ def resolve(values):
         from huggingface_hub.utils import disable_progress_bars
         disable_progress_bars()
     folders, pins, listings = {}, dict(recorded), {}
+    reads = reads or dict(weights=True, data=True)
     for key, pin in recorded.items():
         repo, sub, commit = parse(pin, key in DATA_KEYS)
+        if key in DATA_KEYS and not reads["data"]:
+            print0(f"hub: {key} is {pin}, as the run recorded it (its prepared copy is read)")
+            continue
         if not os.path.isdir(os.path.join(storage(repo, kind_of(key)), "snapshots", commit)):
-            fetch_key(key, repo, sub, commit, values, listings)
+            fetch_key(key, repo, sub, commit, values, listings, weights=reads["weights"])
         print0(f"hub: {key} is {pin}, as the run recorded it")
     for key, (repo, sub, revision) in names.items():
         folders[key], commit, files, size = fetch_key(key, repo, sub, revision, values, listings)
@@ -81,10 +86,15 @@ def resolve(values):
     return folders, pins
 
 
-def recorded_as(value, pin):
-    """Whether a value given again on resume names the recorded pin: the same repo, at no revision or that commit."""
-    given, saved = parse(value, True), pin and parse(pin, True)
-    return bool(given and saved) and given[:2] == saved[:2] and given[2] in (None, saved[2])
+def recorded_as(value, pin, name=None):
+    """Whether a value given again on resume names the recorded pin: the same repo, at no revision,
+    that commit, or the revision the run was started with (name: as given then; the run reads its
+    commit, wherever the branch is now)."""
+    given, saved, started = parse(value, True), pin and parse(pin, True), name and parse(name, True)
+    if not (given and saved) or given[:2] != saved[:2]:
+        return False
+    # main: the revision a name without one reads
+    return given[2] in (None, saved[2]) or bool(started) and given[2] == (started[2] or "main")
 
 
 def check_same_on_all_ranks(pins):
@@ -106,12 +116,13 @@ def kind_of(key):
     return "dataset" if key in DATA_KEYS else "model"
 
 
-def fetch_key(key, repo, sub, revision, values, listings):
+def fetch_key(key, repo, sub, revision, values, listings, weights=True):
     """-> (local folder, commit, files read, their bytes) for config key `key` naming repo (sub: a dataset's config or
-    folder) at revision; a failure is one line naming the repo."""
+    folder) at revision (weights: a model's too); a failure is one line naming the repo."""
+    weights = weights and key != "tokenizer" and not PLAN
     if kind_of(key) == "model":
         def choose(files, read):
-            return "", model_files(files, read, weights=key != "tokenizer" and not PLAN, config=key != "tokenizer")
+            return "", model_files(files, read, weights=weights, config=key != "tokenizer")
     else:
         def choose(files, read):
             return dataset_files(f"{repo}{'/' + sub if sub else ''}", sub, values.get(DATA_KEYS[key]), DATA_KEYS[key],

@@ -5,10 +5,13 @@ Plot runs from their metrics.jsonl: one PNG, one panel per quantity, one line pe
     python plot.py out/dpo/metrics.jsonl --out=dpo.png     # a run's out_dir, or its metrics.jsonl
     python plot.py out/grpo out/dapo --overlay     # runs from the same start, each drawn from step 0
 
-Panels, those some run logged: training loss; held-out exact-match accuracy; the preferred-behaviour rate (built-in
-task: greedy replies in the plain style); for DPO runs the reward margin and the log-probs of chosen and rejected
-responses (if logps_chosen falls with logps_rejected, the policy is displacing likelihood, not preferring); for RL runs
-the mean reward of each step's sampled replies. Each run's steps follow the last's (--overlay: all start at 0).
+Panels, those some run logged: training and held-out loss; held-out exact-match accuracy; the
+preferred-behaviour rate (built-in task: greedy replies in the plain style); for DPO runs the reward
+margin and the log-probs of chosen and rejected responses (if logps_chosen falls with
+logps_rejected, the policy is displacing likelihood, not preferring); for RL runs the mean reward of
+each step's sampled replies. Each run's steps follow the last's (--overlay: all start at 0). A run
+is named by its folder, with the folders above it that tell runs of the same name apart (a/sft,
+b/sft).
 """
 
 import json
@@ -16,7 +19,7 @@ import os
 import sys
 
 PANELS = [  # (title, [(metrics key, label suffix)])
-    ("training loss", [("loss", "")]),
+    ("loss (training, held-out)", [("loss", ""), ("val_loss", " held-out")]),
     ("held-out exact-match accuracy", [("val_accuracy", "")]),
     ("preferred behaviour (plain style)", [("val_preferred", "")]),
     ("DPO reward margin (chosen - rejected)", [("reward_margin", "")]),
@@ -49,6 +52,16 @@ def read(run):
                      f"pass a run's out_dir or its metrics.jsonl")
         rows.append(row)
     return path, rows
+
+
+def names(paths):
+    """Each run's folder name, with as many folders above it as tell the runs apart."""
+    folders = [os.path.dirname(os.path.abspath(p)).split(os.sep) for p in paths]
+    for depth in range(1, max(map(len, folders)) + 1):
+        named = ["/".join(f[-depth:]) for f in folders]
+        if len(set(named)) == len(named):
+            return named
+    return named
 
 
 def main(argv):
@@ -88,8 +101,7 @@ def main(argv):
         sys.exit(f"plot.py: nothing to plot: no run logged any of {', '.join(k for _, s in PANELS for k, _ in s)}")
     fig, (axes,) = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)  # one row
     offset = 0  # each run continues where the previous one ended, unless --overlay
-    for path, rows in runs.items():
-        name = os.path.basename(os.path.dirname(os.path.abspath(path)))
+    for name, (path, rows) in zip(names(runs), runs.items()):
         for ax, (title, series) in zip(axes, panels):
             for key, suffix in series:
                 points = [(offset + m["iter"], m[key]) for m in rows if m.get(key) is not None]

@@ -39,7 +39,7 @@ overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and p
 bad_records = "error"  # records only: one that fails to parse or render: 'error' (all counted, then stop) or 'skip'
 chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
 reasoning_turns = "conversation"  # records: 'each' also trains every turn rendered without its reasoning on its own
-prefix_sharing = True  # 'each': a conversation's turn examples travel together, the history they share computed once
+prefix_sharing = True  # reasoning_turns='each': a conversation's shared history computed once
 batch_size = 32  # examples per optimizer step, all ranks together ('each': conversations)
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
 context_parallel = 1  # ranks splitting each micro-batch's tokens (a sequence up to this x microbatch_tokens long)

@@ -396,3 +396,31 @@ def test_plan_by_name_on_several_gpus(server, use_hub, script, extra):
     assert result["by_category"]["parameters"] > 0
     if "--data=nanopack-test/listed" in extra:  # its 6 short chats (the split's own files), not 8 x 256 worst-case tokens
         assert result["tokens"] < 256
+
+
+@pytest.mark.slow
+def test_resume_by_the_start_command_reads_no_weights_and_no_data(tmp_path, server):
+    """The reported case: a full fine-tune by names (@main) resumed on a new node by its start
+    command plus --init_from=resume was refused (@main is not the recorded commit), and would have
+    downloaded the base's weights and the data, though it resumes from its DCP checkpoint and
+    out_dir/data. Then offline, no weights cached."""
+    out_dir = str(tmp_path / "run")
+    names = dict(init_from=f"{MODEL}@main", data="nanopack-test/chats@main", data_split="train",
+                 val_data="nanopack-test/chats@main", val_split="test")
+    online = dict(os.environ, OMP_NUM_THREADS="1", HF_ENDPOINT=server.endpoint, HF_TOKEN="",
+                  HF_HUB_DISABLE_PROGRESS_BARS="1")
+
+    def sft(home, *extra, **env):
+        args = [*as_args(out_dir=out_dir, **SMALL, **names), *extra]
+        out = subprocess.run([sys.executable, "train_sft.py", *args], cwd=ROOT, capture_output=True,
+                             text=True, timeout=600, env=dict(online, HF_HOME=str(home), **env))
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+        return out
+    sft(tmp_path / "node1")
+    server.log.clear()
+    sft(tmp_path / "node2", "--init_from=resume", "--max_iters=2")
+    assert sorted(server.downloads()) == ["config.json", "generation_config.json", "tokenizer.json",
+                                          "tokenizer_config.json"]
+    sft(tmp_path / "node2", "--init_from=resume", "--max_iters=3", HF_HUB_OFFLINE="1",
+        HF_ENDPOINT=ROUTED_NOWHERE)
+    assert [m["iter"] for m in step_metrics(out_dir)] == [1, 2, 3]

@@ -82,3 +82,19 @@ def test_what_cannot_be_plotted_is_one_line(tmp_path, case, says):
     r = plot(run, extra)
     assert r.returncode != 0 and says in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not os.path.exists(tmp_path / "runs.png")
+
+
+def test_runs_of_the_same_folder_name_are_told_apart_and_val_loss_is_drawn(tmp_path, monkeypatch):
+    """The reported case: a/sft and b/sft were both labelled 'sft'; val_loss (all a run on one's own
+    data logs besides its loss) was never drawn."""
+    figure = pytest.importorskip("matplotlib.figure")
+    import plot
+    rows = [dict(iter=i, loss=3.0 / i) for i in range(1, 4)] + [dict(iter=3, val_loss=1.5)]
+    runs = [fake_run(tmp_path / "a" / "sft", rows), fake_run(tmp_path / "b" / "sft", rows)]
+    figures = []
+    monkeypatch.setattr(figure.Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    plot.main([*runs, f"--out={tmp_path / 'runs.png'}"])
+    (ax,) = figures[0].axes
+    labels = ["a/sft", "a/sft held-out", "b/sft", "b/sft held-out"]
+    assert [line.get_label() for line in ax.lines] == labels
+    assert ax.lines[1].get_ydata().tolist() == [1.5]

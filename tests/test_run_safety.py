@@ -7,6 +7,7 @@ does not overwrite one; SIGTERM saves and exits cleanly and the resumed run equa
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -277,3 +278,48 @@ def test_non_finite_steps_in_a_row_are_counted_across_a_resume(tmp_path):
     out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--max_iters=4"])
     assert "(1 in a row, at most max_bad_steps=3)" in out.stdout
     assert metrics(out_dir)[-1]["skipped_steps"] == 1  # counted from 0 again: the checkpoint had no count
+
+
+def run_files(out_dir):
+    """Every file of a run folder with its bytes: what another script's resume leaves as it was."""
+    return {os.path.relpath(os.path.join(d, f), out_dir): open(os.path.join(d, f), "rb").read()
+            for d, _, names in os.walk(out_dir) for f in names}
+
+
+@pytest.mark.slow
+def test_resuming_another_scripts_run_is_one_line_and_touches_nothing(tmp_path, sft_data, dpo_data):
+    """The reported case: train_rl.py --init_from=resume on an SFT run trained RL from it and
+    replaced its files."""
+    runs = dict(sft=str(tmp_path / "sft"), dpo=str(tmp_path / "dpo"))
+    one_step = dict(SFT, max_iters=1)
+    run_script("train_sft.py", as_args(**one_step, out_dir=runs["sft"], data=sft_data))
+    run_script("train_dpo.py", as_args(**dict(one_step, out_dir=runs["dpo"], data=dpo_data,
+                                              batch_size=8, init_from="scratch")))
+    # a ckpt.pt of an older nanopack, which records no script: its keys tell
+    old = str(tmp_path / "old")
+    shutil.copytree(runs["dpo"], old)
+    ckpt = torch.load(os.path.join(old, "ckpt.pt"), weights_only=True)
+    ckpt.pop("script", None)
+    torch.save(ckpt, os.path.join(old, "ckpt.pt"))
+    for made_by, out_dir, script in [("train_sft.py", runs["sft"], "train_rl.py"),
+                                     ("train_sft.py", runs["sft"], "train_dpo.py"),
+                                     ("train_dpo.py", runs["dpo"], "train_sft.py"),
+                                     ("train_dpo.py", runs["dpo"], "train_rl.py"),
+                                     ("train_dpo.py", old, "train_sft.py")]:
+        before = run_files(out_dir)
+        out = run_script(script, [f"--out_dir={out_dir}", "--init_from=resume"], check=False)
+        hf = os.path.join(out_dir, "hf")
+        assert out.returncode != 0 and out.stderr.strip() == (
+            f"config error: {out_dir} holds a {made_by} run; resume it with {made_by}, or start "
+            f"{script} from {hf} (--init_from={hf}, in another --out_dir)"), out.stderr[-2000:]
+        assert run_files(out_dir) == before
+
+
+@pytest.mark.slow
+def test_a_run_shorter_than_its_warmup_says_so(tmp_path, sft_data):
+    """The reported case: warmup_iters=20 (the fine-tuning default) over a 4-step run."""
+    out = run_script("train_sft.py", as_args(**dict(SFT, out_dir=tmp_path / "run", data=sft_data,
+                                                    warmup_iters=20)))
+    assert "note: warmup_iters=20 is at least the run's 4 steps: every step warms up" in out.stdout
+    out = run_script("train_sft.py", as_args(**dict(SFT, out_dir=tmp_path / "ok", data=sft_data)))
+    assert "warmup_iters" not in out.stdout  # warmup_iters=0

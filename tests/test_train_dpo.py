@@ -236,6 +236,9 @@ def test_bad_preference_data_is_one_clear_message(tmp_path, message):
 @pytest.mark.slow
 @pytest.mark.parametrize("arg, message", [
     ("--init_from=/no/such/folder", "make the default one with `python train_sft.py`"),
+    # a config's pair: the reported case named the default command, not the pair's
+    ("config/dpo_qwen2.5_0.5b.py",
+     "make this one with `python train_sft.py config/sft_qwen2.5_0.5b.py`"),
     ("--loss_type=kto", "loss_type='kto'; choose one of sigmoid, ipo, hinge, dpo_norm, simpo, apo_zero, robust, "
                         "bco_pair"),
     ("--loss_type=bco_pair --label_smoothing=0.1", "label_smoothing=0.1; it must be 0 for loss_type='bco_pair'"),
