@@ -125,6 +125,9 @@ config = configure(globals(), finetune=dict(learning_rate=1e-6, min_lr=1e-7), pr
 
 
 policy = loss != "online_dpo"  # the GRPO family: a policy loss on every reply token
+# as TRL: the GRPO family's ratios and KL are to the policy that sampled, at its temperature;
+# online DPO's pairs are scored at 1
+score_at = temperature if policy else 1.0
 if mask_truncated and not policy:
     fail("config error: mask_truncated=True with loss='online_dpo': a DPO pair trains whole replies; drop "
          "--mask_truncated or choose a loss of the GRPO family")
@@ -291,9 +294,10 @@ def microbatch_loss(mb, size, per_reply, pairs, old):
     sums for the log: (loss, -log p of the sampled tokens, tokens, ratios, tokens clipped low, high). old: its state
     kept over a batch's updates (the sampling policy's and the reference's log-probs)."""
     with run.autocast:
-        logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
+        # (K,) one per trained token
+        logps = model(**mb.inputs(), logprobs=True, temperature=score_at)
     if "ref" not in old:
-        old["ref"] = ref.logps(mb) if ref is not None else None
+        old["ref"] = ref.logps(mb, score_at) if ref is not None else None
         old["policy"] = logps.detach()
     if policy:
         seqs = (mb.units[:, None] * size + torch.arange(size, device=device)).flatten()  # the batch's replies

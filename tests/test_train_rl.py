@@ -348,3 +348,19 @@ def test_a_diverged_run_stops_non_zero_with_no_export(tmp_path):
     first_bad = next(i for i, m in enumerate(s) if m["skipped_steps"])
     assert any(m["groups_trained"] == 0 for m in s[first_bad:]), "the case needs a step with nothing to train"
     assert len(s) < 12 and not os.path.exists(os.path.join(out_dir, "hf"))  # stopped early, nothing exported
+
+
+@pytest.mark.slow
+def test_the_reference_is_scored_at_the_sampling_temperature(tmp_path):
+    """The reported case (issue 51): replies sampled at temperature 0.7 are scored at 0.7, the
+    policy and the reference alike (as TRL), so at the first update, the policy being the
+    reference, the KL term is 0: the step's loss with kl_coef equals the one without. A reference
+    scored at 1 moves it by 2e-3 here (a scratch model's logits are nearly flat); scored alike,
+    what is left of the loss cancels to 1e-8: 1e-5 tells them apart."""
+    cfg = dict(loss="grpo", temperature=0.7, updates_per_batch=1, max_iters=1)
+    with_kl, without = str(tmp_path / "kl"), str(tmp_path / "no_kl")
+    run(args(with_kl, **cfg, kl_coef=1.0))
+    run(args(without, **cfg, kl_coef=0.0))
+    a, b = step_metrics(with_kl)[0], step_metrics(without)[0]
+    assert a["groups_trained"] > 0 and a["sampled_nll"] == b["sampled_nll"]
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
