@@ -250,6 +250,15 @@ def all_reduce_max(value):
     return t.item()
 
 
+def reward_std(rewards, ddof=0):
+    """The standard deviation of every rank's rewards (a CP group's counted once), in two passes:
+    the sum of squares less the squared sum cancels to 0 for rewards with a large offset (1e8)."""
+    r = np.asarray(rewards, dtype=np.float64).ravel()
+    total, n = all_reduce_sum([r.sum() * first_of_group, r.size * first_of_group], device)
+    (squares,) = all_reduce_sum([((r - total / max(n, 1)) ** 2).sum() * first_of_group], device)
+    return math.sqrt(squares / max(n - ddof, 1))
+
+
 def truncated(reply):
     """A reply with no stop token: cut at max_new_tokens (or at the model's last position)."""
     return not reply or reply[-1] not in stop_ids
@@ -267,12 +276,13 @@ def training_batches(prompts, replies, rewards):
     lengths = np.array([[len(r) for r in group] for group in replies], dtype=np.int64).reshape(-1, k) * ~cut
     per_step = dict(token_mean=lengths.sum(), reply_mean=lengths.size, constant=lengths.size * max_new_tokens)
     count = per_step[loss_aggregation] if policy else len(keep)
-    normaliser, trained, r_sum, r2_sum, n = all_reduce_sum([x * first_of_group for x in (
-        count, taught.sum(), rewards.sum(), (rewards ** 2).sum(), rewards.size)], device)
+    normaliser, trained = all_reduce_sum([count * first_of_group, taught.sum() * first_of_group],
+                                         device)
     if policy:
         groups, size = [replies[g] for g in keep], k
         masks = [[np.ones(len(r)) * (1 - c) for r, c in zip(replies[g], cut[g])] for g in keep]
-        batch_std = math.sqrt(max(r2_sum - r_sum ** 2 / max(n, 1), 0) / max(n - 1, 1))  # TRL's: unbiased, over the step
+        # TRL's: unbiased, over the step
+        batch_std = reward_std(rewards, ddof=1) if scale_rewards == "batch" else None
         kept = torch.from_numpy(rewards[keep])  # (G', k); G' = 0: no group, no std to take
         advantages = (group_advantages(kept, scale_rewards, batch_std) if keep else kept).flatten().float()
         reply_tokens = torch.from_numpy(lengths[keep].flatten()).float()
@@ -343,16 +353,16 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
     each = np.concatenate(each)
     every = [r for group in replies for r in group]
     lengths = np.array([len(r) for r in every])
-    perf, (loss_sum, nll, n_tokens, ratios, low, high, r_sum, r2_sum, right, n, reply_tokens, cut, sampled_groups,
-           unshared, *each_sums) = meter.read(train_s, 1, [
-               *sums.tolist(), flat.sum(), (flat ** 2).sum(), (flat >= 1).sum(), len(flat), lengths.sum(),
+    perf, (loss_sum, nll, n_tokens, ratios, low, high, r_sum, right, n, reply_tokens, cut,
+           sampled_groups, unshared, *each_sums) = meter.read(train_s, 1, [
+               *sums.tolist(), flat.sum(), (flat >= 1).sum(), len(flat), lengths.sum(),
                sum(map(truncated, every)), len(replies) * first_of_group, unshared, *each.sum(0).tolist()])
     each_mean = {name: s / n for name, s in zip(reward_fns.names, each_sums)}  # as TRL logs them: unweighted
     tally[0], tally[1] = tally[0] + trained, tally[1] + sampled_groups
     longest = all_reduce_max(int(lengths.max(initial=0)))
     mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
     per_token = (lambda x: x / max(n_tokens, 1)) if policy else (lambda x: None)
-    metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=math.sqrt(max(r2_sum / n - mean ** 2, 0)),
+    metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=reward_std(flat),
                    accuracy=right / n, reply_tokens=reply_tokens / n, reply_tokens_max=longest, truncated=cut / n,
                    groups_trained=trained, groups_sampled=sampled_groups, sampling_rounds=rounds,
                    sampled_nll=nll / max(n_tokens, 1), ratio_mean=per_token(ratios), clip_low=per_token(low),

@@ -364,3 +364,19 @@ def test_the_reference_is_scored_at_the_sampling_temperature(tmp_path):
     a, b = step_metrics(with_kl)[0], step_metrics(without)[0]
     assert a["groups_trained"] > 0 and a["sampled_nll"] == b["sampled_nll"]
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_large_reward_offset_keeps_the_batch_std(tmp_path):
+    """The reported case (issue 51): scale_rewards='batch' on rewards offset by 1e8, whose one-pass
+    variance (sum of squares less the squared sum) cancelled to 0: advantages ~5,000x TRL's. An
+    offset changes neither the advantages nor the logged reward_std: the run is the plain one's."""
+    plain, offset = str(tmp_path / "plain"), str(tmp_path / "offset")
+    run(args(plain, max_iters=2))
+    run(args(offset, max_iters=2, reward="tests.rl_rewards:distinct_characters_1e8"))
+    for a, b in zip(step_metrics(plain), step_metrics(offset), strict=True):
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"] + 1e8, abs=1e-6)
+        # float64 holds 1e8 + r to 1.5e-8, so the centred rewards and their std to ~1e-8
+        # relative; the loss and gradient, float32, to 1e-6: 1e-5 holds a margin
+        assert b["reward_std"] == pytest.approx(a["reward_std"], rel=1e-6)
+        assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-5)
