@@ -113,14 +113,21 @@ PRESETS = dict(
     gspo=dict(GRPO, clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level="sequence"),
     cispo=dict(GRPO, loss_aggregation="token_mean", clip_eps=1.0, clip_eps_high=4.0, clip_mode="cispo"),
     online_dpo=dict(mask_truncated=False, dynamic_sampling=False))
+FAMILY = tuple(PRESETS)[:-1]  # the GRPO family
+# the keys only one kind of loss reads: set explicitly with the other, a config error
+READ_BY = {key: ("loss", FAMILY, "") for key in ("loss_aggregation", "scale_rewards", "clip_eps",
+                                                 "clip_eps_high", "importance_sampling_level",
+                                                 "clip_mode")}
+READ_BY["kl_coef"] = ("loss", FAMILY, "beta weighs online DPO's reference")
+READ_BY["beta"] = ("loss", ("online_dpo",), "kl_coef is the KL weight here; beta is online DPO's")
 # Starting from a pretrained model, keys not set explicitly take these instead (TRL's GRPO default rate)
 config = configure(globals(), finetune=dict(learning_rate=1e-6, min_lr=1e-7), presets=dict(loss=PRESETS), rules=dict(
-    common.RULES, loss=("grpo", "dapo", "dr_grpo", "gspo", "cispo", "online_dpo"), k="[2, inf)",
+    common.RULES, loss=(*FAMILY, "online_dpo"), k="[2, inf)",
     prompts_per_step="[1, inf)", temperature="(0, inf)", top_p="(0, 1]", max_new_tokens="[1, inf)", beta="(0, inf)",
     loss_aggregation=("reply_mean", "token_mean", "constant"), scale_rewards=("group", "batch", "none"),
     clip_eps="(0, inf)", clip_eps_high="(0, inf)", importance_sampling_level=("token", "sequence"),
     clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)", updates_per_batch="[1, inf)",
-    max_iters="[1, inf)"))
+    max_iters="[1, inf)"), read_by=READ_BY)
 # -----------------------------------------------------------------------------
 
 
