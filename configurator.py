@@ -68,10 +68,11 @@ def _parse(text):
         return text  # a bare word is a string: --init_from=resume
 
 
-def configure(config, argv=None, finetune=None, rules=None, presets=None):
+def configure(config, argv=None, finetune=None, rules=None, presets=None, read_by=None):
     """Update `config` (a script's globals()) in place from argv (and a resumed run's saved config) -> the checked
     values. finetune: values for keys argv does not set when starting from a pretrained model; presets: {key: {value:
     {key: default}}}, the defaults a key's value names (train_rl.py's loss) for keys argv does not set."""
+    # read_by: {key: (other key, its values that read key, a hint)}: key set with another, an error
     argv = sys.argv[1:] if argv is None else argv
     if {"-h", "--help"} & set(argv):
         print_help(config, presets)
@@ -100,6 +101,7 @@ def configure(config, argv=None, finetune=None, rules=None, presets=None):
         for key, rule in (rules or {}).items():
             if key in values:  # shared rules (common.RULES) name keys some scripts lack
                 check_rule(values, key, rule)
+        check_read(values, given, read_by or {})
     except ConfigError as e:
         fail(f"config error: {e}")
     except SystemExit as e:  # a damaged ckpt.pt: its one line
@@ -113,6 +115,17 @@ def set_defaults(config, values, given, defaults):
     for key, value in chosen.items():
         values[key] = config[key] = value
     return chosen
+
+
+def check_read(values, given, read_by):
+    """A key set explicitly that the run does not read changes nothing: the user meant something."""
+    for key, (other, readers, hint) in read_by.items():
+        if key in given and values[other] not in readers:
+            names = ", ".join(map(repr, readers[:-1])) + " or " * (len(readers) > 1)
+            hint = f" ({hint})" if hint else ""
+            raise ConfigError(f"{key}={values[key]!r} does nothing with {other}={values[other]!r}: "
+                              f"only {other} {names}{readers[-1]!r} reads it{hint}; drop {key}, or "
+                              f"choose such a {other}")
 
 
 def check_rule(c, key, rule):

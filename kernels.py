@@ -113,9 +113,12 @@ def _compute_dtype(h):
     return torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
 
 
-def _chunk_logprobs(h, w, targets, vocab_size):
-    """h: (C, d), w: (Vp, d) -> float32 log-softmax over the real vocab (C, V) and the targets' log-probs (C,)."""
+def _chunk_logprobs(h, w, targets, vocab_size, temperature=1.0):
+    """h: (C, d), w: (Vp, d) -> float32 log-softmax of logits / temperature over the real vocab
+    (C, V) and the targets' log-probs (C,)."""
     logits = (h @ w.t()).float()[:, :vocab_size]
+    if temperature != 1.0:
+        logits.div_(temperature)
     logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # in place: one (C, V) buffer, not two
     return logp, logp.gather(1, targets[:, None]).squeeze(1)
 
@@ -138,9 +141,11 @@ def _select(h, w, targets, dtype):
     return idx, h.index_select(0, idx).to(dtype), w.to(dtype), targets.index_select(0, idx)
 
 
-def _loss_and_grads(h, w, targets, vocab_size, scales, dtype, need_grad, need_w=True):
+def _loss_and_grads(h, w, targets, vocab_size, scales, dtype, need_grad, need_w=True,
+                    temperature=1.0):
     """-sum_t scale_t * log p(target_t) (scales (T,) or None: all 1) chunk by chunk, with its gradients if need_grad
     -> (loss float32, grad_h like h, grad_w float32), the gradients None without need_grad (grad_w: need_w)."""
+    # p at a temperature: the caller divides scales by it (the chain rule's factor)
     idx, hs, wc, ts = _select(h, w, targets, dtype)
     scales = None if scales is None else scales.index_select(0, idx).float()
     loss, grad_h, grad_w = torch.zeros((), device=h.device, dtype=torch.float32), None, None
@@ -150,7 +155,7 @@ def _loss_and_grads(h, w, targets, vocab_size, scales, dtype, need_grad, need_w=
     for s in range(0, hs.shape[0], LOSS_CHUNK):
         hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
         sc = None if scales is None else scales[s:s + LOSS_CHUNK]
-        logp, tgt = _chunk_logprobs(hc, wc, tc, vocab_size)
+        logp, tgt = _chunk_logprobs(hc, wc, tc, vocab_size, temperature)
         loss -= tgt.sum() if sc is None else (tgt * sc).sum()
         if need_grad:
             grad_hs[s:s + LOSS_CHUNK], gw = _chunk_grads(logp, hc, wc, tc, sc, dtype, need_w)
@@ -181,28 +186,31 @@ class ChunkedCrossEntropy(torch.autograd.Function):
 
 
 class ChunkedLogprobs(torch.autograd.Function):
-    """Per-token log p(target_t) for a loss not known in advance (DPO): the backward recomputes each chunk's logits."""
+    """Per-token log p(target_t) for a loss not known in advance (DPO), p = softmax(logits /
+    temperature) (RL's sampling one): the backward recomputes each chunk's logits."""
 
     @staticmethod
-    def forward(ctx, h, w, targets, vocab_size):
+    def forward(ctx, h, w, targets, vocab_size, temperature):
         dtype = _compute_dtype(h)
         with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
             idx, hs, wc, ts = _select(h, w, targets, dtype)
             out = torch.zeros(h.shape[0], device=h.device, dtype=torch.float32)
             for s in range(0, hs.shape[0], LOSS_CHUNK):
                 out[idx[s:s + LOSS_CHUNK]] = _chunk_logprobs(hs[s:s + LOSS_CHUNK], wc, ts[s:s + LOSS_CHUNK],
-                                                             vocab_size)[1]
+                                                             vocab_size, temperature)[1]
         ctx.save_for_backward(h, w, targets)
-        ctx.vocab_size, ctx.dtype = vocab_size, dtype
+        ctx.vocab_size, ctx.dtype, ctx.temperature = vocab_size, dtype, temperature
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         h, w, targets = ctx.saved_tensors
-        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):  # d log p = -d(-log p): scales -grad_out
-            _, grad_h, grad_w = _loss_and_grads(h, w, targets, ctx.vocab_size, -grad_out, ctx.dtype, True,
-                                                ctx.needs_input_grad[1])
-        return grad_h, None if grad_w is None else grad_w.to(w.dtype), None, None
+        # d log p = -d(-log p): scales -grad_out; d(logits / T) = d logits / T
+        scales = -grad_out / ctx.temperature
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            _, grad_h, grad_w = _loss_and_grads(h, w, targets, ctx.vocab_size, scales, ctx.dtype,
+                                                True, ctx.needs_input_grad[1], ctx.temperature)
+        return grad_h, None if grad_w is None else grad_w.to(w.dtype), None, None, None
 
 
 def chunked_cross_entropy(h, w, targets, vocab_size, weights=None):
@@ -213,6 +221,7 @@ def chunked_cross_entropy(h, w, targets, vocab_size, weights=None):
     return ChunkedCrossEntropy.apply(h, w, targets, vocab_size, weights, need_grad), n
 
 
-def chunked_logprobs(h, w, targets, vocab_size):
-    """h: (T, d), w: (Vp, d), targets: (T,) -> (T,) float32 log p(target), 0 where the target is -100."""
-    return ChunkedLogprobs.apply(h, w, targets, vocab_size)
+def chunked_logprobs(h, w, targets, vocab_size, temperature=1.0):
+    """h: (T, d), w: (Vp, d), targets: (T,) -> (T,) float32 log p(target), 0 where the target is
+    -100; p = softmax(h @ w^T / temperature)."""
+    return ChunkedLogprobs.apply(h, w, targets, vocab_size, temperature)

@@ -378,10 +378,12 @@ class Transformer(nn.Module):
         return self.norm(x)
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, targets=None,
-                loss_weights=None, logprobs=False, logits_at=None, cache=None, target_rows=None, kv=None):
+                loss_weights=None, logprobs=False, logits_at=None, cache=None, target_rows=None,
+                kv=None, temperature=1.0):
         """All uses go through forward, so that the DDP / FSDP2 wrappers' hooks run (gradient sync, all-gathers):
           targets:                 (summed cross-entropy float32, number of targets), loss_weights (T,) per position
-          targets, logprobs=True:  (T,) float32 log p(targets[t]), 0 where ignored (DPO)
+          targets, logprobs=True:  (T,) float32 log p(targets[t]), 0 where ignored (DPO);
+                                   p = softmax(logits / temperature): RL's at its sampling one
           no targets:              logits (T, vocab_size), or only at the rows logits_at (generation)
         targets (T,): each position's next token, -100 where none; with target_rows (K,), row target_rows[i]'s (a
         shared prompt's last row predicts two). cache: generate.KVCache, max_seqlen counting the cached tokens."""
@@ -393,7 +395,7 @@ class Transformer(nn.Module):
             h = h if logits_at is None else h[logits_at]
             return F.linear(h, w)[:, :V]
         if logprobs:
-            return kernels.chunked_logprobs(h, w, targets, V)
+            return kernels.chunked_logprobs(h, w, targets, V, temperature)
         return kernels.chunked_cross_entropy(h, w, targets, V, loss_weights)
 
     def flops_per_token(self, seq_lens, head_tokens=None, key_lens=None):

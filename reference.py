@@ -58,10 +58,10 @@ class Reference:
             return ref[:, 0], ref[:, 1]
         return mb.pair_sums(self.logps(mb))
 
-    def logps(self, mb):
+    def logps(self, mb, temperature=1.0):
         """(K,) the reference model's log-prob of each trained token (not with cached tables)."""
         with torch.no_grad(), self.autocast, self.switch():
-            return self.model(**mb.inputs(), logprobs=True)
+            return self.model(**mb.inputs(), logprobs=True, temperature=temperature)
 
     @classmethod
     def of_model(cls, mode, run):

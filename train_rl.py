@@ -115,18 +115,28 @@ PRESETS = dict(
     gspo=dict(GRPO, clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level="sequence"),
     cispo=dict(GRPO, loss_aggregation="token_mean", clip_eps=1.0, clip_eps_high=4.0, clip_mode="cispo"),
     online_dpo=dict(mask_truncated=False, dynamic_sampling=False))
+FAMILY = tuple(PRESETS)[:-1]  # the GRPO family
+# the keys only one kind of loss reads: set explicitly with the other, a config error
+READ_BY = {key: ("loss", FAMILY, "") for key in ("loss_aggregation", "scale_rewards", "clip_eps",
+                                                 "clip_eps_high", "importance_sampling_level",
+                                                 "clip_mode")}
+READ_BY["kl_coef"] = ("loss", FAMILY, "beta weighs online DPO's reference")
+READ_BY["beta"] = ("loss", ("online_dpo",), "kl_coef is the KL weight here; beta is online DPO's")
 # Starting from a pretrained model, keys not set explicitly take these instead (TRL's GRPO default rate)
 config = configure(globals(), finetune=dict(learning_rate=1e-6, min_lr=1e-7), presets=dict(loss=PRESETS), rules=dict(
-    common.RULES, loss=("grpo", "dapo", "dr_grpo", "gspo", "cispo", "online_dpo"), k="[2, inf)",
+    common.RULES, loss=(*FAMILY, "online_dpo"), k="[2, inf)",
     prompts_per_step="[1, inf)", temperature="(0, inf)", top_p="(0, 1]", max_new_tokens="[1, inf)", beta="(0, inf)",
     loss_aggregation=("reply_mean", "token_mean", "constant"), scale_rewards=("group", "batch", "none"),
     clip_eps="(0, inf)", clip_eps_high="(0, inf)", importance_sampling_level=("token", "sequence"),
     clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)", updates_per_batch="[1, inf)",
-    max_iters="[1, inf)"))
+    max_iters="[1, inf)"), read_by=READ_BY)
 # -----------------------------------------------------------------------------
 
 
 policy = loss != "online_dpo"  # the GRPO family: a policy loss on every reply token
+# as TRL: the GRPO family's ratios and KL are to the policy that sampled, at its temperature;
+# online DPO's pairs are scored at 1
+score_at = temperature if policy else 1.0
 if mask_truncated and not policy:
     fail("config error: mask_truncated=True with loss='online_dpo': a DPO pair trains whole replies; drop "
          "--mask_truncated or choose a loss of the GRPO family")
@@ -257,6 +267,15 @@ def all_reduce_max(value):
     return t.item()
 
 
+def reward_std(rewards, ddof=0):
+    """The standard deviation of every rank's rewards (a CP group's counted once), in two passes:
+    the sum of squares less the squared sum cancels to 0 for rewards with a large offset (1e8)."""
+    r = np.asarray(rewards, dtype=np.float64).ravel()
+    total, n = all_reduce_sum([r.sum() * first_of_group, r.size * first_of_group], device)
+    (squares,) = all_reduce_sum([((r - total / max(n, 1)) ** 2).sum() * first_of_group], device)
+    return math.sqrt(squares / max(n - ddof, 1))
+
+
 def truncated(reply):
     """A reply with no stop token: cut at max_new_tokens (or at the model's last position)."""
     return not reply or reply[-1] not in stop_ids
@@ -274,12 +293,13 @@ def training_batches(prompts, replies, rewards):
     lengths = np.array([[len(r) for r in group] for group in replies], dtype=np.int64).reshape(-1, k) * ~cut
     per_step = dict(token_mean=lengths.sum(), reply_mean=lengths.size, constant=lengths.size * max_new_tokens)
     count = per_step[loss_aggregation] if policy else len(keep)
-    normaliser, trained, r_sum, r2_sum, n = all_reduce_sum([x * first_of_group for x in (
-        count, taught.sum(), rewards.sum(), (rewards ** 2).sum(), rewards.size)], device)
+    normaliser, trained = all_reduce_sum([count * first_of_group, taught.sum() * first_of_group],
+                                         device)
     if policy:
         groups, size = [replies[g] for g in keep], k
         masks = [[np.ones(len(r)) * (1 - c) for r, c in zip(replies[g], cut[g])] for g in keep]
-        batch_std = math.sqrt(max(r2_sum - r_sum ** 2 / max(n, 1), 0) / max(n - 1, 1))  # TRL's: unbiased, over the step
+        # TRL's: unbiased, over the step
+        batch_std = reward_std(rewards, ddof=1) if scale_rewards == "batch" else None
         kept = torch.from_numpy(rewards[keep])  # (G', k); G' = 0: no group, no std to take
         advantages = (group_advantages(kept, scale_rewards, batch_std) if keep else kept).flatten().float()
         reply_tokens = torch.from_numpy(lengths[keep].flatten()).float()
@@ -301,9 +321,10 @@ def microbatch_loss(mb, size, per_reply, pairs, old):
     sums for the log: (loss, -log p of the sampled tokens, tokens, ratios, tokens clipped low, high). old: its state
     kept over a batch's updates (the sampling policy's and the reference's log-probs)."""
     with run.autocast:
-        logps = model(**mb.inputs(), logprobs=True)  # (K,) one per trained token
+        # (K,) one per trained token
+        logps = model(**mb.inputs(), logprobs=True, temperature=score_at)
     if "ref" not in old:
-        old["ref"] = ref.logps(mb) if ref is not None else None
+        old["ref"] = ref.logps(mb, score_at) if ref is not None else None
         old["policy"] = logps.detach()
     if policy:
         seqs = (mb.units[:, None] * size + torch.arange(size, device=device)).flatten()  # the batch's replies
@@ -349,16 +370,16 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
     each = np.concatenate(each)
     every = [r for group in replies for r in group]
     lengths = np.array([len(r) for r in every])
-    perf, (loss_sum, nll, n_tokens, ratios, low, high, r_sum, r2_sum, right, n, reply_tokens, cut, sampled_groups,
-           unshared, *each_sums) = meter.read(train_s, 1, [
-               *sums.tolist(), flat.sum(), (flat ** 2).sum(), (flat >= 1).sum(), len(flat), lengths.sum(),
+    perf, (loss_sum, nll, n_tokens, ratios, low, high, r_sum, right, n, reply_tokens, cut,
+           sampled_groups, unshared, *each_sums) = meter.read(train_s, 1, [
+               *sums.tolist(), flat.sum(), (flat >= 1).sum(), len(flat), lengths.sum(),
                sum(map(truncated, every)), len(replies) * first_of_group, unshared, *each.sum(0).tolist()])
     each_mean = {name: s / n for name, s in zip(reward_fns.names, each_sums)}  # as TRL logs them: unweighted
     tally[0], tally[1] = tally[0] + trained, tally[1] + sampled_groups
     longest = all_reduce_max(int(lengths.max(initial=0)))
     mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
     per_token = (lambda x: x / max(n_tokens, 1)) if policy else (lambda x: None)
-    metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=math.sqrt(max(r2_sum / n - mean ** 2, 0)),
+    metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=reward_std(flat),
                    accuracy=right / n, reply_tokens=reply_tokens / n, reply_tokens_max=longest, truncated=cut / n,
                    groups_trained=trained, groups_sampled=sampled_groups, sampling_rounds=rounds,
                    sampled_nll=nll / max(n_tokens, 1), ratio_mean=per_token(ratios), clip_low=per_token(low),

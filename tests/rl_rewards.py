@@ -5,6 +5,11 @@ def distinct_characters(prompt, reply, **fields):
     return float(len(set(reply)))
 
 
+def distinct_characters_1e8(prompt, reply, **fields):
+    """distinct_characters offset by 1e8: the same advantages, and the same spread of rewards."""
+    return 1e8 + distinct_characters(prompt, reply)
+
+
 def contains_target(prompt, reply, target):
     return float(target in reply)
 

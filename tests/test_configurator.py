@@ -82,6 +82,27 @@ def test_rules_bools_and_strings_as_typed():
             configure(cfg(), argv, rules=rules)
 
 
+def test_a_key_the_chosen_value_does_not_read_is_one_line(tmp_path):
+    """The reported case (issue 51): TRL's GRPO beta is the KL weight, ours online DPO's, so
+    --loss=grpo --beta=0.04 trained with no KL term. A key set explicitly (an argument or a
+    config file) that the chosen loss does not read is one line naming what reads it."""
+    cfg = lambda: dict(loss="grpo", beta=0.1, kl_coef=0.0)
+    hint = "kl_coef is the KL weight here; beta is online DPO's"
+    read_by = dict(beta=("loss", ("online_dpo",), hint), kl_coef=("loss", ("grpo", "dapo"), ""))
+    config_file = tmp_path / "c.py"
+    config_file.write_text("beta = 0.04\n")
+    beta = (f"beta=0.04 does nothing with loss='grpo': only loss 'online_dpo' reads it ({hint}); "
+            "drop beta, or choose such a loss")
+    kl = ("kl_coef=0.1 does nothing with loss='online_dpo': only loss 'grpo' or 'dapo' reads it; "
+          "drop kl_coef")
+    for argv, message in ((["--beta=0.04"], beta), ([str(config_file)], beta),
+                          (["--loss=online_dpo", "--kl_coef=0.1"], kl)):
+        with pytest.raises(SystemExit, match=re.escape(f"config error: {message}")):
+            configure(cfg(), argv, read_by=read_by)
+    assert configure(cfg(), ["--kl_coef=0.1"], read_by=read_by)["kl_coef"] == 0.1
+    assert configure(cfg(), ["--loss=online_dpo", "--beta=0.2"], read_by=read_by)["beta"] == 0.2
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("script", ["train_sft.py", "train_dpo.py", "train_rl.py", "sample.py"])
 def test_help_lists_every_key_with_its_default_and_comment(script):

@@ -231,7 +231,7 @@ def test_rl_context_parallel_equals_one_process(tmp_path, loss, parallel):
     two ranks (generating the same replies, training on slices) take one process's steps: GRPO's reply mean with a
     ratio per reply (its sums over the group), a second update and a KL term to a live reference; online DPO (best and worst reply, their prompt shared) cut at iter 2 and
     resumed in one process."""
-    kw = dict(loss=loss) if loss == "grpo" else dict(loss=loss, kl_coef=0.0, updates_per_batch=1, beta=1.0)
+    kw = dict(loss=loss) if loss == "grpo" else dict(loss=loss, updates_per_batch=1, beta=1.0)
     if loss == "grpo":
         refused = run_script("train_rl.py", rl_args(str(tmp_path / "no"), microbatch_tokens=120), check=False)
         line = refused.stderr.strip().splitlines()[-1]

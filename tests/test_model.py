@@ -441,10 +441,13 @@ def test_chunked_cross_entropy_matches_full_logits(small_chunks):
         assert gw[V:].abs().max() == 0  # the vocab padding rows never receive gradient
 
 
-def test_chunked_logprobs_match_full_logits(small_chunks):
+# RL scores replies at their sampling temperature
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_chunked_logprobs_match_full_logits(small_chunks, temperature):
     h, w, targets, V = head_inputs()
-    lp = kernels.chunked_logprobs(h, w, targets, V)
-    full = torch.log_softmax(h @ w[:V].t(), -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
+    lp = kernels.chunked_logprobs(h, w, targets, V, temperature)
+    logits = h @ w[:V].t() / temperature
+    full = torch.log_softmax(logits, -1).gather(1, targets.clamp(min=0)[:, None]).squeeze(1)
     ref = torch.where(targets == -100, 0.0, full)
     torch.testing.assert_close(lp, ref, atol=1e-5, rtol=1e-6)
     g = torch.randn_like(lp)

@@ -60,7 +60,8 @@ def samples(seed=0):
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """A random Llama as transformers builds it, and ours loaded from its folder: the same weights."""
+    """A random Llama as transformers builds it, its head fused at each sampling temperature tested
+    (TRL scores at the one it sampled at), and ours loaded from its folder: the same weights."""
     from hf import from_pretrained
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -68,10 +69,14 @@ def models(tmp_path_factory):
                                    initializer_range=0.1)
     folder = str(tmp_path_factory.mktemp("llama"))
     transformers.LlamaForCausalLM(cfg).save_pretrained(folder)
-    hf_model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
     from trl.trainer.utils import add_fused_lm_head
-    add_fused_lm_head(hf_model, outputs=("log_probs", "entropy"))  # as GRPOTrainer.__init__ does
-    return hf_model, from_pretrained(folder, dtype=torch.float32).train()
+    hf_models = {}
+    for temperature in (1.0, 0.7):
+        hf = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32).train()
+        # as GRPOTrainer.__init__ does
+        add_fused_lm_head(hf, temperature, outputs=("log_probs", "entropy"))
+        hf_models[temperature] = hf
+    return hf_models, from_pretrained(folder, dtype=torch.float32).train()
 
 
 def trl_loss(model, inputs, loss_type, eps_low, eps_high, level, beta):
@@ -96,13 +101,17 @@ def grads(model, loss, names):
     return {n: p.grad.clone() for n, p in model.named_parameters() if n in names}
 
 
-@pytest.mark.parametrize("preset, beta, scale_rewards", [(p, 0.0, "preset") for p in PRESETS] + [
-    ("grpo", 0.04, "preset"), ("dapo", 0.04, "batch"), ("gspo", 0.04, "preset"), ("cispo", 0.0, "batch")])
-def test_each_preset_equals_trl(models, preset, beta, scale_rewards):
+@pytest.mark.parametrize("preset, beta, scale_rewards, temperature", [
+    *[(p, 0.0, "preset", 1.0) for p in PRESETS], ("grpo", 0.04, "preset", 1.0),
+    ("dapo", 0.04, "batch", 1.0), ("gspo", 0.04, "preset", 1.0), ("cispo", 0.0, "batch", 1.0),
+    *[(p, 0.04, "preset", 0.7) for p in PRESETS]])
+def test_each_preset_equals_trl(models, preset, beta, scale_rewards, temperature):
     """The step as one batch: TRL pads the replies, we pack the groups with their prompt shared, skip the group whose
     rewards are equal (beta 0: it has no loss) yet count it as TRL does. Ratios away from 1 (a batch's later update: the
-    sampler's log-probs perturbed), so that the clips act."""
-    hf_model, ours = models
+    sampler's log-probs perturbed), so that the clips act. Replies sampled at temperature 0.7:
+    both score the policy at logits / 0.7."""
+    hf_models, ours = models
+    hf_model = hf_models[temperature]
     knobs, loss_type = PRESETS[preset]
     scale = knobs["scale_rewards"] if scale_rewards == "preset" else scale_rewards
     prompts, replies, rewards = samples()
@@ -146,7 +155,7 @@ def test_each_preset_equals_trl(models, preset, beta, scale_rewards):
     rows = [g * K + j for g in teach for j in range(K)]
     token = lambda x: torch.cat([x[i, :int(lengths[i])] for i in rows])  # per trained token, in packed order
     weights = loss_weights(lengths[rows], knobs["loss_aggregation"], NORMALISER[knobs["loss_aggregation"]](lengths))
-    logps = ours(**mb.inputs(), logprobs=True)
+    logps = ours(**mb.inputs(), logprobs=True, temperature=temperature)
     sums = mb.sequence_sums if knobs["importance_sampling_level"] == "sequence" else None
     loss_ours, stats = policy_loss(logps, token(old), mb.seq_ids, advantages, weights, lengths[rows],
                                    knobs["clip_eps"], knobs["clip_eps_high"], knobs["clip_mode"], sums,

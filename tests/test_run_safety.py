@@ -203,6 +203,12 @@ BAD = [  # (script, arguments, what the one line must say)
     ("train_dpo.py", "--init_from=scratch --beta=0", "config error: beta=0.0; it must be a finite number greater"),
     ("train_dpo.py", "--init_from=scratch --reference=frozen", "reference='frozen'; choose one of auto, cached, live, adapters_off"),
     ("train_dpo.py", "--init_from=scratch --loss_type=ipo --label_smoothing=0.1", "label_smoothing=0.1; it must be"),
+    ("train_rl.py", "--init_from=scratch --loss=grpo --beta=0.04",
+     "config error: beta=0.04 does nothing with loss='grpo': only loss 'online_dpo' reads it "
+     "(kl_coef is the KL weight here; beta is online DPO's)"),
+    ("train_rl.py", "--init_from=scratch --loss=online_dpo --kl_coef=0.1",
+     "config error: kl_coef=0.1 does nothing with loss='online_dpo': "
+     "only loss 'grpo', 'dapo', 'dr_grpo', 'gspo' or 'cispo' reads it"),
 ]
 if not torch.cuda.is_available():
     BAD.append(("train_sft.py", "--device=cuda", "device='cuda'; this machine has no CUDA GPU"))

@@ -143,6 +143,9 @@ def args(out_dir, **kw):
                max_new_tokens=6, max_iters=3, learning_rate=3e-3, min_lr=3e-3, warmup_iters=0, kl_coef=0.05,
                updates_per_batch=2, microbatch_tokens=4096, eval_interval=0, eval_examples=0, seed=7, loss="dapo",
                importance_sampling_level="sequence", scale_rewards="batch", mask_truncated=False)
+    if kw.get("loss") == "online_dpo":  # the GRPO family's keys: set explicitly, a config error
+        for key in ("kl_coef", "importance_sampling_level", "scale_rewards"):
+            del cfg[key]
     cfg.update(kw)
     return as_args(**cfg)
 
@@ -214,7 +217,7 @@ def test_sigterm_saves_and_resume_equals_the_straight_run(tmp_path, baseline):
 @pytest.mark.slow
 def test_online_dpo_starts_at_log_2_and_learns_the_reward(tmp_path):
     out_dir = str(tmp_path / "odpo")
-    run(args(out_dir, loss="online_dpo", kl_coef=0.0, updates_per_batch=1, beta=1.0, max_iters=6))
+    run(args(out_dir, loss="online_dpo", updates_per_batch=1, beta=1.0, max_iters=6))
     s = step_metrics(out_dir)
     assert s[0]["loss"] == pytest.approx(np.log(2), abs=1e-5)  # the policy is the reference at step 1
     assert s[-1]["loss"] < s[0]["loss"]
@@ -348,3 +351,35 @@ def test_a_diverged_run_stops_non_zero_with_no_export(tmp_path):
     first_bad = next(i for i, m in enumerate(s) if m["skipped_steps"])
     assert any(m["groups_trained"] == 0 for m in s[first_bad:]), "the case needs a step with nothing to train"
     assert len(s) < 12 and not os.path.exists(os.path.join(out_dir, "hf"))  # stopped early, nothing exported
+
+
+@pytest.mark.slow
+def test_the_reference_is_scored_at_the_sampling_temperature(tmp_path):
+    """The reported case (issue 51): replies sampled at temperature 0.7 are scored at 0.7, the
+    policy and the reference alike (as TRL), so at the first update, the policy being the
+    reference, the KL term is 0: the step's loss with kl_coef equals the one without. A reference
+    scored at 1 moves it by 2e-3 here (a scratch model's logits are nearly flat); scored alike,
+    what is left of the loss cancels to 1e-8: 1e-5 tells them apart."""
+    cfg = dict(loss="grpo", temperature=0.7, updates_per_batch=1, max_iters=1)
+    with_kl, without = str(tmp_path / "kl"), str(tmp_path / "no_kl")
+    run(args(with_kl, **cfg, kl_coef=1.0))
+    run(args(without, **cfg, kl_coef=0.0))
+    a, b = step_metrics(with_kl)[0], step_metrics(without)[0]
+    assert a["groups_trained"] > 0 and a["sampled_nll"] == b["sampled_nll"]
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-5)
+
+
+@pytest.mark.slow
+def test_a_large_reward_offset_keeps_the_batch_std(tmp_path):
+    """The reported case (issue 51): scale_rewards='batch' on rewards offset by 1e8, whose one-pass
+    variance (sum of squares less the squared sum) cancelled to 0: advantages ~5,000x TRL's. An
+    offset changes neither the advantages nor the logged reward_std: the run is the plain one's."""
+    plain, offset = str(tmp_path / "plain"), str(tmp_path / "offset")
+    run(args(plain, max_iters=2))
+    run(args(offset, max_iters=2, reward="tests.rl_rewards:distinct_characters_1e8"))
+    for a, b in zip(step_metrics(plain), step_metrics(offset), strict=True):
+        assert b["reward_mean"] == pytest.approx(a["reward_mean"] + 1e8, abs=1e-6)
+        # float64 holds 1e8 + r to 1.5e-8, so the centred rewards and their std to ~1e-8
+        # relative; the loss and gradient, float32, to 1e-6: 1e-5 holds a margin
+        assert b["reward_std"] == pytest.approx(a["reward_std"], rel=1e-6)
+        assert (b["loss"], b["grad_norm"]) == pytest.approx((a["loss"], a["grad_norm"]), rel=1e-5)
