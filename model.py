@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
-import kernels
+from nanopack import kernels
 
 try:
     from flash_attn import flash_attn_varlen_func

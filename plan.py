@@ -23,7 +23,7 @@ import time
 from contextlib import redirect_stdout
 from unittest import mock
 
-from fake_step import config_keys, plan_step
+from nanopack.fake_step import config_keys, plan_step
 
 GIB = 2 ** 30
 # Memory no tensor holds, on a GPU: the CUDA context with its kernels and NCCL's communicators and buffers (1 GiB

@@ -18,11 +18,11 @@ import sys
 
 import torch
 
-from checkpoint import checkpoint_model
-from configurator import configure
-from generate import generate
-from hf import from_pretrained
-from tokenizer import Tokenizer, get_tokenizer
+from nanopack.checkpoint import checkpoint_model
+from nanopack.configurator import configure
+from nanopack.generate import generate
+from nanopack.hf import from_pretrained
+from nanopack.tokenizer import Tokenizer, get_tokenizer
 
 
 def load_model(path, device):

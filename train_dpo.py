@@ -17,15 +17,15 @@ import time
 
 import torch
 
-import common
+from nanopack import common
 import data.arithmetic as builtin_task
-from checkpoint import export_hf, save_checkpoint
-from configurator import configure
+from nanopack.checkpoint import export_hf, save_checkpoint
+from nanopack.configurator import configure
 from losses import LOSS_TYPES, STATS, dpo_loss, pair_stats, preference_loss
-from metrics import MetricsLogger, Throughput, Timer, format_eta
+from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import shared_prefixes, target_counts
-from parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
-from reference import Reference, cache_key, split_logps
+from nanopack.parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
+from nanopack.reference import Reference, cache_key, split_logps
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value

@@ -27,17 +27,17 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-import common
-from checkpoint import export_hf, save_checkpoint
-from configurator import configure
+from nanopack import common
+from nanopack.checkpoint import export_hf, save_checkpoint
+from nanopack.configurator import configure
 from data.dataset import read_prompts
-from generate import generate
+from nanopack.generate import generate
 from losses import dpo_loss, group_advantages, loss_weights, policy_loss
-from metrics import MetricsLogger, Throughput, Timer, format_eta
+from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import group_data, make_batch, rank_bins, shared_prefixes, unit_lengths
-from parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
-from reference import Reference
-from rewards import RewardError, Rewards
+from nanopack.parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
+from nanopack.reference import Reference
+from nanopack.rewards import RewardError, Rewards
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value

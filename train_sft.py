@@ -15,13 +15,13 @@ import time
 import numpy as np
 import torch
 
-import common
+from nanopack import common
 import data.arithmetic as builtin_task
-from checkpoint import export_hf, save_checkpoint
-from configurator import configure
-from metrics import MetricsLogger, Throughput, Timer, format_eta
+from nanopack.checkpoint import export_hf, save_checkpoint
+from nanopack.configurator import configure
+from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import IGNORE_INDEX, layout, make_batch, rank_bins
-from parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
+from nanopack.parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import context  # noqa: E402
+from nanopack import context  # noqa: E402
 import model as M  # noqa: E402
 from model import ModelConfig, Transformer  # noqa: E402
 from packing import make_batch, pack  # noqa: E402

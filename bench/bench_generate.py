@@ -31,8 +31,8 @@ import torch
 import transformers
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from generate import generate  # noqa: E402
-from hf import save_pretrained  # noqa: E402
+from nanopack.generate import generate  # noqa: E402
+from nanopack.hf import save_pretrained  # noqa: E402
 from model import Transformer, config_from_preset  # noqa: E402
 
 

@@ -83,13 +83,13 @@ def main():
         for command, plan in (("train_*.py --init_from=<name>", False), ("plan.py ... --init_from=<name>", True)):
             server.log.clear()
             home = os.path.join(tmp, f"home-{len(os.listdir(tmp))}")
-            subprocess.run([sys.executable, "-c", f"import hub; hub.PLAN = {plan}; hub.resolve(dict(init_from="
+            subprocess.run([sys.executable, "-c", f"from nanopack import hub; hub.PLAN = {plan}; hub.resolve(dict(init_from="
                             f"{name!r}))"], cwd=ROOT, env=dict(env, HF_HOME=home), check=True, capture_output=True)
             asked = sorted(server.downloads())
             print(f"| {name} | {command} | {', '.join(asked)} | {sum(files[f] for f in asked) / 1e6:,.2f} MB | "
                   f"{sum(files.values()) / 1e6:,.0f} MB |")
     name, home = "meta-llama/Llama-3.1-8B-Instruct", os.path.join(tmp, "home-startup")
-    subprocess.run([sys.executable, "-c", f"import hub; hub.resolve(dict(init_from={name!r}))"], cwd=ROOT,
+    subprocess.run([sys.executable, "-c", f"from nanopack import hub; hub.resolve(dict(init_from={name!r}))"], cwd=ROOT,
                    env=dict(env, HF_HOME=home), check=True, capture_output=True)
     folder = os.path.join(tmp, "repo1")
     clock = "import time, hub; t = time.perf_counter(); {}; print(time.perf_counter() - t)"

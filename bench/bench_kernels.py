@@ -50,7 +50,7 @@ def main():
     args = p.parse_args()
 
     import torch
-    import kernels
+    from nanopack import kernels
     import model as M
 
     cuda = torch.cuda.is_available()

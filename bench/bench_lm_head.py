@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def run_one(method, T, d, V, device, dtype, iters):
     import torch
     import torch.nn.functional as F
-    import kernels
+    from nanopack import kernels
 
     dt = getattr(torch, dtype)
     rss0 = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # GiB (ru_maxrss is KiB on Linux)

@@ -36,7 +36,7 @@ def measure(shape, mode, tokens, steps):
 
     import torch
 
-    import lora
+    from nanopack import lora
     from model import Transformer, config_from_preset
     torch.manual_seed(0)
     device = "cuda" if torch.cuda.is_available() else "cpu"

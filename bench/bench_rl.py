@@ -27,7 +27,7 @@ import data.arithmetic as arithmetic  # noqa: E402
 from losses import loss_weights, policy_loss  # noqa: E402
 from model import Transformer, config_from_preset  # noqa: E402
 from packing import group_data, make_batch, shared_prefixes  # noqa: E402
-from tokenizer import get_tokenizer  # noqa: E402
+from nanopack.tokenizer import get_tokenizer  # noqa: E402
 
 
 def cases(groups, k, vocab):

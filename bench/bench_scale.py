@@ -78,10 +78,10 @@ def child(method, folder, export, load_whole_checkpoint=True):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                          get_state_dict, set_model_state_dict, set_optimizer_state_dict)
-    from checkpoint import restore_checkpoint, rng_state
-    from hf import from_pretrained, load_hf_weights, read_hf_config, save_pretrained
+    from nanopack.checkpoint import restore_checkpoint, rng_state
+    from nanopack.hf import from_pretrained, load_hf_weights, read_hf_config, save_pretrained
     from model import Transformer
-    from parallel import wrap_model
+    from nanopack.parallel import wrap_model
     full_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
     dist.init_process_group("gloo")
@@ -159,7 +159,7 @@ def main():
         return child(*args.child[:3], load_whole_checkpoint=args.child[3] == "1")
 
     import torch
-    from hf import save_pretrained
+    from nanopack.hf import save_pretrained
     from model import Transformer, config_from_preset
     with tempfile.TemporaryDirectory() as tmp:
         folder = os.path.join(tmp, "hf")

@@ -107,7 +107,7 @@ def pair_data(n, kind, vocab, scale, seed=0):
 
 def builtin_data(n, mode):
     from data.arithmetic import dpo_examples, sft_examples
-    from tokenizer import get_tokenizer
+    from nanopack.tokenizer import get_tokenizer
     tok = get_tokenizer("byte")
     seqs = []
     if mode == "sft":
@@ -245,7 +245,7 @@ def matmul_peak(cuda, iters=10):
 def result(tokens, positions, flops, elapsed, loss, rss0):
     """The row of one configuration: real tokens/s, MFU (CUDA), peak memory (CUDA allocated / CPU RSS growth)."""
     import torch
-    import metrics
+    from nanopack import metrics
     cuda = torch.cuda.is_available()
     peak_flops = metrics.peak_flops(torch.device("cuda" if cuda else "cpu"))
     return dict(tokens_per_sec=tokens / elapsed, mfu=flops / elapsed / peak_flops if peak_flops else None, elapsed=elapsed, flops=flops,
@@ -257,8 +257,8 @@ def run_config(name, args):
     import torch
     import torch.nn.functional as F
     from model import Transformer
-    from hf import save_pretrained
-    import common
+    from nanopack.hf import save_pretrained
+    from nanopack import common
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -424,7 +424,7 @@ def run_trl(name, args):
     import datasets
     import torch
     from transformers import AutoModelForCausalLM, TrainerCallback
-    from hf import save_pretrained
+    from nanopack.hf import save_pretrained
     from model import Transformer
 
     cuda = torch.cuda.is_available()

@@ -2,7 +2,7 @@
 # tokenizer's ids fit in it); prints CUDA's peak allocated and reserved memory at exit.
 import atexit, os, runpy, sys, torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import common
+from nanopack import common
 preset_config = common.config_from_preset
 common.config_from_preset = lambda name, vocab_size=None, **kw: preset_config(name, **kw)
 atexit.register(lambda: print(f"REAL PEAK allocated {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB, "

@@ -30,8 +30,8 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python data/arithmetic.py
 from data.prepare import read_meta, write_token_files  # noqa: E402
-from generate import generate  # noqa: E402
-from tokenizer import get_tokenizer  # noqa: E402
+from nanopack.generate import generate  # noqa: E402
+from nanopack.tokenizer import get_tokenizer  # noqa: E402
 
 VERSION = "arithmetic-v4"  # part of the cache key: bump it when the generator changes
 MAX_ADD = 30  # + and -: operands 0..MAX_ADD

@@ -12,7 +12,7 @@ from data.arithmetic import prepare_builtin, rl_prompts
 from data.prepare import as_messages, load, peek_kind, prepare, read_meta, template_inputs
 from data.records import BadRecords, DataError, data_files, parse_fields, read_records
 from packing import layout
-from parallel import is_master, print0
+from nanopack.parallel import is_master, print0
 
 NEEDS = dict(sft="messages", dpo="chosen/rejected pairs", rl="prompt records")
 NOT_PROMPTS = dict(sft="'messages' ending with the assistant's reply", dpo="'chosen' and 'rejected'")

@@ -53,10 +53,10 @@ from array import array
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python data/prepare.py
-from chat_template import REASONING_FIELDS  # noqa: E402
+from nanopack.chat_template import REASONING_FIELDS  # noqa: E402
 from data.records import (BAD_RECORDS, BadRecords, DataError, data_files,  # noqa: E402, F401
                           parse_fields, read_records)
-from tokenizer import ROLES, get_tokenizer  # noqa: E402
+from nanopack.tokenizer import ROLES, get_tokenizer  # noqa: E402
 
 OVERLONG = ("error", "truncate", "skip")
 REASONING_TURNS = ("conversation", "each")
@@ -437,7 +437,7 @@ def template_kwargs(text):
 def resolve_names(args):
     """Hub names among --input, --val_input and --tokenizer -> their snapshot folders in the hub cache, downloaded as
     the scripts download them (a dataset's --data_split files only), a line printed for each."""
-    import hub
+    from nanopack import hub
     keys = dict(data="input", data_split="data_split", val_data="val_input", val_split="val_split",
                 tokenizer="tokenizer")
     values = {key: getattr(args, name) for key, name in keys.items()}

@@ -62,5 +62,5 @@ def step_metrics(out_dir):
 
 def checkpoint_weights(out_dir):
     """The model weights of a run's checkpoint (ckpt.pt and the DCP folder it names), as a state dict."""
-    from checkpoint import checkpoint_model
+    from nanopack.checkpoint import checkpoint_model
     return checkpoint_model(os.path.join(out_dir, "ckpt.pt"))[0].state_dict()

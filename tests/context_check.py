@@ -18,8 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import context  # noqa: E402
-import kernels  # noqa: E402
+from nanopack import context  # noqa: E402
+from nanopack import kernels  # noqa: E402
 from losses import loss_weights, policy_loss  # noqa: E402
 from model import Transformer, config_from_preset  # noqa: E402
 from packing import group_data, make_batch, shared_prefixes  # noqa: E402

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from hf import from_pretrained, load_hf_weights, read_hf_config, save_pretrained  # noqa: E402
+from nanopack.hf import from_pretrained, load_hf_weights, read_hf_config, save_pretrained  # noqa: E402
 from model import Transformer  # noqa: E402
-from parallel import wrap_model  # noqa: E402
+from nanopack.parallel import wrap_model  # noqa: E402
 
 folder, export = sys.argv[1], sys.argv[2]
 dist.init_process_group("gloo")

@@ -154,9 +154,9 @@ def model_repo(folder, seed=0, n_layer=2, shard_bytes=None):
     file, and with shards a consolidated.safetensors beside them (as Mistral's repos hold one)."""
     import torch
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
-    from hf import save_pretrained
+    from nanopack.hf import save_pretrained
     from model import Transformer, config_from_preset
-    from tokenizer import bytes_to_unicode
+    from nanopack.tokenizer import bytes_to_unicode
     os.makedirs(os.path.join(folder, "original"))
     vocab = {c: i for i, c in enumerate(bytes_to_unicode().values())}
     tok = HFTokenizer(models.BPE(vocab=vocab, merges=[]))

@@ -6,7 +6,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import fake_step  # noqa: E402
+from nanopack import fake_step  # noqa: E402
 
 r = fake_step.plan_step(sys.argv[1], sys.argv[2:], gpus=int(os.environ["WORLD_SIZE"]), device="cpu", fake=False)
 if os.environ["RANK"] == "0":

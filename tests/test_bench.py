@@ -117,9 +117,9 @@ def test_bench_dpo_losses_smoke(tmp_path):
     """Two loss types from a tiny random model folder on a few built-in pairs, two steps each: a row per type."""
     import torch
     from conftest import builtin_data
-    from hf import save_pretrained
+    from nanopack.hf import save_pretrained
     from model import Transformer, config_from_preset
-    from tokenizer import get_tokenizer
+    from nanopack.tokenizer import get_tokenizer
     torch.manual_seed(0)
     save_pretrained(Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)),
                     str(tmp_path / "sft"))

@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from configurator import ConfigError, apply_overrides, configure
+from nanopack.configurator import ConfigError, apply_overrides, configure
 
 
 def defaults():

@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from conftest import ROOT, as_args, run_script, step_metrics
-from context import ContextParallel
+from nanopack.context import ContextParallel
 from context_check import MODELS, RL, SFT, SHARED, batch
-from hf import SafetensorsFolder
+from nanopack.hf import SafetensorsFolder
 from packing import make_batch
 from test_lora_train import args as lora_args, assert_same_run as assert_same_lora_run
 from test_train_dpo import assert_same_run as assert_same_dpo_run, common_args as dpo_args, pairs  # noqa: F401

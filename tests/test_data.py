@@ -12,7 +12,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from data import arithmetic  # noqa: E402
 from data.prepare import DataError, TokenWriter, load, prepare  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from nanopack.tokenizer import Tokenizer  # noqa: E402
 
 TOK = Tokenizer.byte_level()
 

@@ -19,7 +19,7 @@ import data.prepare as prepare_module  # noqa: E402
 import data.records as records_module  # noqa: E402
 from data.prepare import parse, peek_kind, prepare  # noqa: E402
 from data.records import DataError, data_files  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from nanopack.tokenizer import Tokenizer  # noqa: E402
 
 TOK = Tokenizer.byte_level()
 WORDS = "the a cat sat on mat why how café 東京 🙂 answer is four 2+2 yes no".split()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+from nanopack import kernels
 from losses import dpo_loss, pair_stats, preference_loss
 from model import Transformer, config_from_preset
 from packing import make_batch, shared_prefixes, target_counts
@@ -168,7 +168,7 @@ def test_a_reference_computed_on_each_microbatch_precomputes_only_the_val_split(
     import types
     from contextlib import nullcontext
 
-    import reference
+    from nanopack import reference
     model = Transformer(config_from_preset("toy"))
     computed = []
     monkeypatch.setattr(reference, "split_logps", lambda m, data, *a, **k: computed.append(data) or torch.zeros(1, 2))

@@ -16,9 +16,9 @@ from data.dataset import check_kind, ignored_keys_note, prompt_record, read_prom
 from data.prepare import parse, prepare
 from data.records import DataError, parse_fields, read_records
 from hub_fixture import lay_out_cache, model_repo, prefs, write_parquet
-from parallel import stop_signal
-from rewards import RewardError, Rewards
-from tokenizer import Tokenizer
+from nanopack.parallel import stop_signal
+from nanopack.rewards import RewardError, Rewards
+from nanopack.tokenizer import Tokenizer
 
 TOK = Tokenizer.byte_level()
 GSM8K = [dict(question=f"What is {i}+{i}?", answer=f"{i} and {i} make {2 * i}.\n#### {2 * i}") for i in range(6)]

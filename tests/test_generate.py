@@ -4,7 +4,7 @@ generator only, so k replies from one prefill equal k separate generations token
 import pytest
 import torch
 
-from generate import generate, sample
+from nanopack.generate import generate, sample
 from test_sample import CACHE_CONFIGS, PROMPTS, random_model
 
 K = 3

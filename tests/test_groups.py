@@ -10,9 +10,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+from nanopack import kernels
 import model as M
-from reference import split_logps
+from nanopack.reference import split_logps
 from packing import group_data, make_batch, pack, shared_prefixes
 
 VOCAB = 300

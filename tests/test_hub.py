@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-import hub
+from nanopack import hub
 from conftest import ROOT, as_args, run_script, step_metrics
 from hub_fixture import HubServer, dataset_repos, lay_out_cache, model_repo
 
@@ -265,8 +265,10 @@ def test_two_processes_download_a_repo_once(tmp_path, server):
     the other waits on the cache's lock, then finds every file there; each file crosses the network once."""
     env = dict(os.environ, HF_HOME=str(tmp_path / "home"), HF_ENDPOINT=server.endpoint, HF_TOKEN="",
                HF_HUB_DISABLE_PROGRESS_BARS="1")
-    code = ("import sys, types; sys.modules['parallel'] = types.SimpleNamespace(fail=sys.exit, print0=print)  # no "
-            f"torch to import: seconds\nimport hub; print(hub.resolve(dict(init_from={MODEL!r}))[0]['init_from'])")
+    # no torch to import: seconds
+    code = ("import sys, types\n"
+            "sys.modules['nanopack.parallel'] = types.SimpleNamespace(fail=sys.exit, print0=print)\n"
+            f"from nanopack import hub; print(hub.resolve(dict(init_from={MODEL!r}))[0]['init_from'])")
     server.log.clear()
     server.delay = 0.3  # each file: the first process holds the lock while the second starts
     try:
@@ -332,7 +334,7 @@ def test_sft_by_name_records_its_commits_and_resumes_on_them(tmp_path, repos):
     ckpt = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=False)
     assert ckpt["iter_num"] == 2 and ckpt["config"]["hub"] == pins and ckpt["start"]["init_from"] == snapshot
     assert len(step_metrics(out_dir)) == 2
-    from configurator import configure  # another revision on resume: refused, naming the recorded commit
+    from nanopack.configurator import configure  # another revision on resume: refused, naming the recorded commit
     with pytest.raises(SystemExit, match=f"data='nanopack-test/chats@v2' differs from the run being resumed "
                                          f"\\(data='nanopack-test/chats@{'c' * 40}'\\)"):
         configure(dict(out_dir="", init_from="", data=""), ["--init_from=resume", f"--out_dir={out_dir}",

@@ -13,8 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import lora
-from hf import from_pretrained, save_pretrained
+from nanopack import lora
+from nanopack.hf import from_pretrained, save_pretrained
 from model import Transformer, config_from_preset
 from test_model import hf_model
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import lora
+from nanopack import lora
 from conftest import as_args, builtin_data, run_script, step_metrics
-from hf import from_pretrained, save_pretrained
+from nanopack.hf import from_pretrained, save_pretrained
 from model import Transformer, config_from_preset
 
 

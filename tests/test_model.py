@@ -17,9 +17,9 @@ from safetensors.torch import load_file, save_file
 
 import model as M
 from model import ModelConfig, Transformer
-import hf
-import kernels
-from hf import from_pretrained, save_pretrained
+from nanopack import hf
+from nanopack import kernels
+from nanopack.hf import from_pretrained, save_pretrained
 from conftest import cuda, next_token_targets
 
 transformers = pytest.importorskip("transformers")

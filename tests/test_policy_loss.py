@@ -62,7 +62,7 @@ def samples(seed=0):
 def models(tmp_path_factory):
     """A random Llama as transformers builds it, its head fused at each sampling temperature tested
     (TRL scores at the one it sampled at), and ours loaded from its folder: the same weights."""
-    from hf import from_pretrained
+    from nanopack.hf import from_pretrained
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,

@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import kernels
+from nanopack import kernels
 import model as M
 from losses import dpo_loss
 from packing import make_batch, shared_prefixes

@@ -17,7 +17,7 @@ ARCH = {"qwen2.5": dict(arch="qwen2", qkv_bias=True, tie_embeddings=True), "llam
 
 def stand_in(folder, preset):
     """A tiny random model of the preset's architecture, saved as a Hugging Face folder."""
-    from hf import save_pretrained
+    from nanopack.hf import save_pretrained
     from model import Transformer, config_from_preset
     family = next(k for k in ARCH if k in os.path.basename(preset))
     save_pretrained(Transformer(config_from_preset("tiny", vocab_size=261, **ARCH[family])), str(folder))

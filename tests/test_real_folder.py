@@ -51,8 +51,8 @@ def pairs(path, n=40):
 
 
 def assert_round_trips(folder, source):
-    from hf import from_pretrained
-    from tokenizer import Tokenizer
+    from nanopack.hf import from_pretrained
+    from nanopack.tokenizer import Tokenizer
     ours, theirs = Tokenizer.from_dir(folder), transformers.AutoTokenizer.from_pretrained(folder)
     conv = [{"role": "user", "content": "What is 2+2?"}, {"role": "assistant", "content": "2+2 = 4"},
             {"role": "user", "content": " and 3+3?"}]

@@ -18,7 +18,7 @@ from conftest import ROOT
 from test_tokenizer import PRE_TOKENIZERS, chat_folder, real_template, runs, train_hf
 
 from data.prepare import DataError, load, prepare
-from tokenizer import Tokenizer, get_tokenizer
+from nanopack.tokenizer import Tokenizer, get_tokenizer
 
 QWEN_TOKENS = ["<think>", "</think>", "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 QWEN = dict(eos_token="<|im_end|>", pad_token="<|endoftext|>")

@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 from data.dataset import check_kind, prepare_data  # noqa: E402
 from data.prepare import DataError, data_files, load, prepare  # noqa: E402
-from tokenizer import Tokenizer  # noqa: E402
+from nanopack.tokenizer import Tokenizer  # noqa: E402
 
 TOK = Tokenizer.byte_level()
 

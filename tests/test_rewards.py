@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-import rewards
+from nanopack import rewards
 from data.dataset import check_kind, prompt_record
 from data.prepare import DataError
-from rewards import RewardError, Rewards, math_reward, parse_weights
+from nanopack.rewards import RewardError, Rewards, math_reward, parse_weights
 
 PROMPT = [{"role": "user", "content": "What is 6 x 12?"}]
 

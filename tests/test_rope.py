@@ -12,7 +12,7 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)  # model.py lives in the repo root, also for this file's own subprocess
-from kernels import rope_fused  # noqa: E402
+from nanopack.kernels import rope_fused  # noqa: E402
 from model import rope_reference  # noqa: E402
 
 
@@ -172,7 +172,7 @@ if __name__ == "__main__":  # the interpreter tests' subprocess: python tests/te
 def test_fused_rope_only_where_the_kernel_runs(monkeypatch):
     """A CUDA model whose head dim the Triton kernel does not take (a toy's 8, Phi's 80, 96) runs the reference
     instead of raising from inside the forward (seen on an H100: the tiny test model failed there)."""
-    import kernels
+    from nanopack import kernels
     import model as M
     monkeypatch.setattr(kernels, "HAS_TRITON", True)
     assert [M.rope_fusable(True, d) for d in (8, 64, 80, 96, 128, 256)] == [False, True, False, False, True, True]

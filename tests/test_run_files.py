@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import checkpoint
+from nanopack import checkpoint
 from conftest import ROOT, as_args, builtin_data, run_script, step_metrics
-from hf import fingerprint, save_pretrained
+from nanopack.hf import fingerprint, save_pretrained
 from model import Transformer, config_from_preset
 from test_lora_train import args as lora_args, assert_same_run
 
@@ -279,7 +279,7 @@ def test_resuming_a_context_parallel_run_in_one_process_says_what_to_pass(tmp_pa
 @pytest.mark.slow
 def test_a_full_disk_at_start_up_is_one_line_and_leaves_no_empty_file(tmp_path):
     """The write test of out_dir and the log's rewrite on resume: the disk takes the file, then refuses its bytes."""
-    import metrics
+    from nanopack import metrics
     out_dir = tmp_path / "run"
     out_dir.mkdir()
     write_test = f"import os; os.symlink('/dev/full', '{out_dir}/.write_test_' + str(os.getpid()))"  # ENOSPC on write
@@ -322,8 +322,8 @@ class Killed(BaseException):
 
 @pytest.mark.parametrize("lora_rank", [0, 4])
 def test_a_kill_while_an_export_moves_in_leaves_one_whole_export(tmp_path, monkeypatch, lora_rank):
-    import lora
-    from tokenizer import get_tokenizer
+    from nanopack import lora
+    from nanopack.tokenizer import get_tokenizer
     torch.manual_seed(0)
     model = Transformer(config_from_preset("tiny", vocab_size=261))
     adapters = dict(rank=lora_rank, alpha=8, dropout=0.0, targets=["q_proj", "v_proj"], quantize="") if lora_rank \

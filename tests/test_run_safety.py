@@ -96,7 +96,7 @@ def test_resume_restores_the_config_and_names_what_changes(tmp_path, sft_data):
                                       "--learning_rate=2e-3"])
     assert "resume: overriding max_iters 2 -> 3" in out.stdout
     assert "resume: overriding learning_rate 0.001 -> 0.002" in out.stdout
-    from common import lr_at
+    from nanopack.common import lr_at
     assert metrics(out_dir)[-1]["lr"] == pytest.approx(lr_at(2, 3, 2e-3, 5e-4, 0), rel=1e-9)  # and trains with it
     out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--batch_size=8"], check=False)
     assert out.returncode != 0 and "batch_size=8 differs from the run being resumed (batch_size=16)" in out.stderr
@@ -138,7 +138,7 @@ def long_example_jsonl(tmp_path, n_chars):
 
 def model_folder(tmp_path, damage):
     """A real-looking Hugging Face folder of the tiny preset, damaged one way."""
-    from hf import save_pretrained
+    from nanopack.hf import save_pretrained
     from model import Transformer, config_from_preset
     folder = tmp_path / "hf"
     save_pretrained(Transformer(config_from_preset("tiny", vocab_size=261)), str(folder))
@@ -256,7 +256,7 @@ def test_overwrite_removes_the_previous_run_first(tmp_path, sft_data):
 
 def test_resume_drops_log_rows_past_the_checkpoint(tmp_path):
     """kill -9 after the last checkpoint leaves rows the resumed run will write again: they are dropped."""
-    from metrics import MetricsLogger
+    from nanopack.metrics import MetricsLogger
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(dict(iter=i, loss=1.0 / i)) + "\n" for i in range(1, 10)))
     MetricsLogger(str(tmp_path), resume_iter=5).log(dict(iter=6, loss=0.5))

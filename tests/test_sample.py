@@ -2,7 +2,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from generate import KVCache, generate
+from nanopack.generate import KVCache, generate
 from model import ModelConfig, Transformer
 
 

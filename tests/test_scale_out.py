@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import ROOT, as_args, builtin_data, run_script, step_metrics
-from hf import SafetensorsFolder, save_pretrained
+from nanopack.hf import SafetensorsFolder, save_pretrained
 from model import Transformer, config_from_preset
 
 
@@ -37,7 +37,7 @@ def test_sharded_load_and_export_equal_one_process(tmp_path, world_size, tied):
 @pytest.mark.slow
 def test_fsdp_from_a_model_folder_equals_one_process(tmp_path):
     """train_sft.py from a Hugging Face folder: FSDP2 on 2 ranks (sharded load) takes the steps one process takes."""
-    from tokenizer import get_tokenizer
+    from nanopack.tokenizer import get_tokenizer
     torch.manual_seed(0)
     folder = str(tmp_path / "hf")
     save_pretrained(Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)), folder)
@@ -121,7 +121,7 @@ def test_live_reference_under_fsdp_from_a_folder_equals_the_cached_one(tmp_path)
     """train_dpo.py from a model folder: FSDP2 on 2 ranks with a live reference (built sharded, each rank reading its
     own rows) takes the steps of one process with the cached reference."""
     from test_train_dpo import assert_same_run, common_args
-    from tokenizer import get_tokenizer
+    from nanopack.tokenizer import get_tokenizer
     torch.manual_seed(0)
     folder = str(tmp_path / "hf")
     save_pretrained(Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)), folder)

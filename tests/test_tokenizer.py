@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.prepare import DataError, prepare  # noqa: E402
-from tokenizer import LLAMA3_PATTERN, Tokenizer, bytes_to_unicode, get_tokenizer  # noqa: E402
+from nanopack.tokenizer import LLAMA3_PATTERN, Tokenizer, bytes_to_unicode, get_tokenizer  # noqa: E402
 
 QWEN2_PATTERN = LLAMA3_PATTERN.replace(r"\p{N}{1,3}", r"\p{N}")  # Qwen2 isolates single digits
 CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>",

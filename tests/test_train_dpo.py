@@ -199,9 +199,9 @@ def test_other_loss_types_run(tmp_path, pairs, loss_type, label_smoothing, first
 def test_default_flow_from_an_sft_folder(tmp_path):
     """The workshop flow, shortened: a Hugging Face folder as train_sft.py leaves it (here a tiny random model),
     then train_dpo.py on the built-in pairs, printing held-out accuracy before and after and exporting a folder."""
-    from hf import save_pretrained
+    from nanopack.hf import save_pretrained
     from model import Transformer, config_from_preset
-    from tokenizer import get_tokenizer
+    from nanopack.tokenizer import get_tokenizer
     sft = str(tmp_path / "sft_hf")
     torch.manual_seed(0)
     save_pretrained(Transformer(config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)), sft)

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+from nanopack import kernels
 import model as M
 from conftest import ROOT, as_args, checkpoint_weights, run_script, step_metrics
 from losses import dpo_loss, group_advantages, loss_weights, policy_loss
@@ -275,8 +275,8 @@ def test_prompt_records_and_their_fields_reach_several_weighted_rewards(tmp_path
 def test_default_flow_from_a_dpo_folder(tmp_path):
     """The workshop's third command, shortened: a Hugging Face folder as train_dpo.py leaves it (a tiny random model),
     the built-in hard split and reward, held-out accuracy before and after, an exported folder."""
-    from hf import save_pretrained
-    from tokenizer import get_tokenizer
+    from nanopack.hf import save_pretrained
+    from nanopack.tokenizer import get_tokenizer
     folder = str(tmp_path / "dpo_hf")
     torch.manual_seed(0)
     save_pretrained(M.Transformer(M.config_from_preset("tiny", vocab_size=get_tokenizer("byte").vocab_size)), folder)

@@ -118,7 +118,7 @@ def test_default_run_learns_and_exports(tmp_path):
         exported = json.load(f)
     assert (exported["bos_token_id"], exported["eos_token_id"]) == (256, 260)
     transformers = pytest.importorskip("transformers")
-    from hf import from_pretrained
+    from nanopack.hf import from_pretrained
     hf = transformers.AutoModelForCausalLM.from_pretrained(os.path.join(out_dir, "hf")).float().eval()
     ours = from_pretrained(os.path.join(out_dir, "hf")).eval()
     ids = torch.randint(0, 260, (40,))

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-import kernels
+from nanopack import kernels
 import model as M
 from conftest import ROOT
 from data.dataset import check_fits, turn_examples_note
@@ -28,7 +28,7 @@ from test_cuda_paths import KINDS, expected_calls, stand_in, use_stand_in
 from test_groups import alone_logps
 from test_reasoning_tools import WEATHER, A, T, U, call
 from test_tokenizer import PRE_TOKENIZERS, chat_folder, real_template, train_hf
-from tokenizer import Tokenizer
+from nanopack.tokenizer import Tokenizer
 
 WORDS = "add the numbers then check the sum again carefully because tools may fail and weather changes fast".split()
 

@@ -11,12 +11,12 @@ import sys
 import pytest
 import torch
 
-import lora
+from nanopack import lora
 from conftest import ROOT, as_args, run_script, step_metrics
 from data.prepare import load
-from generate import generate
+from nanopack.generate import generate
 from model import ModelConfig, Transformer, config_from_preset
-from tokenizer import Tokenizer
+from nanopack.tokenizer import Tokenizer
 
 TOK = Tokenizer.byte_level()
 POSITIONS = 40  # the small model's max_seq_len: a chat turn with the byte template is ~20 tokens
@@ -54,7 +54,7 @@ def chats(n, start=0):
 @pytest.fixture(scope="module")
 def small_model(tmp_path_factory):
     """A Hugging Face folder of a tiny random model with max_seq_len=40, as a user's short-context model."""
-    from hf import save_pretrained
+    from nanopack.hf import save_pretrained
     folder = str(tmp_path_factory.mktemp("m40"))
     torch.manual_seed(0)
     save_pretrained(Transformer(config_from_preset("tiny", vocab_size=TOK.vocab_size, max_seq_len=POSITIONS)), folder)
@@ -84,7 +84,7 @@ def test_generate_stops_each_reply_where_the_model_has_no_positions_left(kv_cach
 
 @pytest.mark.slow
 def test_sample_keeps_a_reply_cut_at_max_seq_len(small_model):
-    from hf import from_pretrained
+    from nanopack.hf import from_pretrained
     out = run_cli(["sample.py", f"--model={small_model}", "--prompt=What is 2+2?", "--max_new_tokens=100",
                    "--device=cpu"])
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]

@@ -20,7 +20,7 @@ import unicodedata
 import regex  # tiktoken's own dependency; the same split regexes, for text with unspellable bytes
 import tiktoken
 
-from chat_template import (REASONING_FIELDS, ROLES, TEMPLATES, ChatTemplate, guess_template, map_values,
+from nanopack.chat_template import (REASONING_FIELDS, ROLES, TEMPLATES, ChatTemplate, guess_template, map_values,
                            read_chat_template, token_text)
 
 BYTE_SPECIALS = ["<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 256..260

@@ -21,9 +21,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from parallel import stop_signal
+from nanopack.parallel import stop_signal
 
-BUILTIN = {"builtin": "data.arithmetic:reward", "math": "rewards:math_reward"}
+BUILTIN = {"builtin": "data.arithmetic:reward", "math": "nanopack.rewards:math_reward"}
 NUMBER_KINDS = "biuf"  # numpy dtype kinds of a reward: bool, signed and unsigned integers, floats
 
 

@@ -42,16 +42,16 @@ from torch.distributed.fsdp._fully_shard import _fully_shard as fully_shard_modu
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-import common
-import configurator
-import context
-import generate as generation
-import hub
+from nanopack import common
+from nanopack import configurator
+from nanopack import context
+from nanopack import generate as generation
+from nanopack import hub
 import packing
-import reference
+from nanopack import reference
 from data import dataset
-from hf import read_hf_config
-from metrics import Throughput
+from nanopack.hf import read_hf_config
+from nanopack.metrics import Throughput
 from model import PRESETS, Transformer, config_from_preset
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "collectives", "reference",

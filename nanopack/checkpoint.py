@@ -20,10 +20,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-import lora
-from hf import save_pretrained
+from nanopack import lora
+from nanopack.hf import save_pretrained
 from model import ModelConfig, Transformer
-from parallel import fail, print0
+from nanopack.parallel import fail, print0
 
 # DCP in one process (no process group) warns at every save and load that it assumes one process: we mean it
 warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")

@@ -9,7 +9,7 @@ import numpy as np
 import torch
 from torch._dynamo.utils import counters
 
-from parallel import all_reduce_sum, fail, is_master, stop_signal
+from nanopack.parallel import all_reduce_sum, fail, is_master, stop_signal
 
 # dense bf16 tensor-core peak, FLOP/s, from the vendors' datasheets; an unknown device gets no MFU at all
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),

@@ -11,7 +11,7 @@ import os
 import re
 
 from data.records import DATA_EXTENSIONS as READABLE, split_name  # the files a folder is read for, its splits
-from parallel import fail, print0
+from nanopack.parallel import fail, print0
 
 MODEL_KEYS = ("init_from", "tokenizer", "model")  # config keys that may name a model repo (sample.py's model)
 DATA_KEYS = {"data": "data_split", "val_data": "val_split"}  # ... a dataset repo, and the key naming its split

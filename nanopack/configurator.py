@@ -13,9 +13,9 @@ import os
 import re
 import sys
 
-from checkpoint import load_checkpoint
-import hub
-from parallel import fail, is_master
+from nanopack.checkpoint import load_checkpoint
+from nanopack import hub
+from nanopack.parallel import fail, is_master
 
 FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer", "batch_size", "seed",
                    "max_len", "overlong", "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",

@@ -15,19 +15,19 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from checkpoint import (EXPORT_NEW, EXPORT_OLD, EXPORT_TMP, all_finite, finish_export, load_checkpoint,
+from nanopack.checkpoint import (EXPORT_NEW, EXPORT_OLD, EXPORT_TMP, all_finite, finish_export, load_checkpoint,
                         restore_checkpoint)
-import context
+from nanopack import context
 from data.dataset import check_fits, check_kind, ignored_keys_note, load_data, prepare_data, turn_examples_note
 from data.prepare import BAD_RECORDS, OVERLONG
-import lora
-from hf import fingerprint, from_pretrained, load_hf_weights, read_hf_config
-import hub
+from nanopack import lora
+from nanopack.hf import fingerprint, from_pretrained, load_hf_weights, read_hf_config
+from nanopack import hub
 from model import PRESETS, ModelConfig, Transformer, attention_backend, config_from_preset
 from packing import PackedLoader
-from parallel import (fail, lock_out_dir, precision, print0, setup_distributed, stop_signal, teardown_distributed,
-                      wrap_model)
-from tokenizer import Tokenizer, get_tokenizer
+from nanopack.parallel import (fail, lock_out_dir, precision, print0, setup_distributed, stop_signal,
+                               teardown_distributed, wrap_model)
+from nanopack.tokenizer import Tokenizer, get_tokenizer
 
 RULES = dict(  # configurator.check_rule: the choices or the interval of each key setup() reads
     device=("auto", "cpu", "cuda"), dtype=("auto", "bfloat16", "float32"), compile=("auto", True, False),

@@ -16,11 +16,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from common import build_model
-from context import ContextParallel
-from lora import adapters_disabled
+from nanopack.common import build_model
+from nanopack.context import ContextParallel
+from nanopack.lora import adapters_disabled
 from packing import make_batch, rank_bins, unit_lengths
-from parallel import all_reduce_sum, print0
+from nanopack.parallel import all_reduce_sum, print0
 
 
 @torch.no_grad()
