@@ -103,6 +103,6 @@ def test_the_check_sees_a_removed_requirement(tmp_path):
     kept = [line for line in open(os.path.join(ROOT, "requirements.txt")) if not line.startswith("math-verify")]
     reqs.write_text("".join(kept))
     installed = importlib.metadata.packages_distributions()
-    assert "math_verify" in imported_modules(os.path.join(ROOT, "rewards.py"))
+    assert "math_verify" in imported_modules(os.path.join(ROOT, "nanopack", "rewards.py"))
     assert not distributions_of("math_verify", installed) & requirement_names(str(reqs))
     assert distributions_of("math_verify", installed) & requirement_names(os.path.join(ROOT, "requirements.txt"))
