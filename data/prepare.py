@@ -261,44 +261,59 @@ class TokenWriter:
                 os.remove(f"{self.prefix}_{name}.tmp")
 
 
-def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra_meta=None, verbose=True,
-                      reasoning_turns="conversation", bad=None, want=None):
-    """(where, split, record) items -> token files and meta.json (written last: the files are complete) in out_dir.
-    bad: the BadRecords the reader counts into too (None: 'error'); a record that fails to parse or render is one.
-    want: 'sft' or 'dpo', the fields read where a record has both (parse's kind)."""
+def write_records(items, writers, tok, bad, want, max_len, overlong, reasoning_turns):
+    """Each (where, split, record) item -> its split's writer. -> what meta.json counts of them
+    (kind None: no record was read)."""
+    kind, first, lengths, longest_example = None, None, array("q"), 0
+    status_counts, turn_examples, turns_dropped = dict(ok=0, truncated=0, skipped=0), 0, 0
+    for where, split, record in items:
+        try:
+            k, example = parse(record, where, want)
+            inputs = template_inputs(record, where)
+            seqs = render(tok, k, example, where, inputs, reasoning_turns)
+        except DataError as e:
+            bad.add(e)
+            continue
+        if kind is None:
+            kind, first = k, where
+        elif k != kind:
+            raise DataError(f"{where}: a {k.upper()} line in a file that began as "
+                            f"{kind.upper()} at {first} — keep SFT and DPO data in separate files")
+        if kind == "dpo" and reasoning_turns == "each":
+            raise DataError(f"{where}: reasoning_turns='each' is for SFT conversations, "
+                            f"and this is a DPO pair")
+        rendered, (seqs, status) = len(seqs), fit(seqs, kind, where, max_len, overlong)
+        status_counts[status] += 1
+        # 'each': turns truncated to nothing trained
+        turns_dropped += (rendered - len(seqs)) * (status == "truncated")
+        turn_examples += max(len(seqs) - 1, 0) * (kind == "sft")
+        for ids, mask in seqs:
+            writers[split].add(ids, mask)
+            lengths.append(len(ids))
+        writers[split].end_unit()
+        longest_example = max(longest_example, sum(len(ids) for ids, _ in seqs))
+    return dict(kind=kind, lengths=lengths, longest_example=longest_example,
+                status_counts=status_counts, turn_examples=turn_examples,
+                turns_dropped=turns_dropped)
+
+
+def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra_meta=None,
+                      verbose=True, reasoning_turns="conversation", bad=None, want=None):
+    """(where, split, record) items -> token files and meta.json (written last: the files are
+    complete) in out_dir. bad: the BadRecords the reader counts into too (None: 'error'); a record
+    that fails to parse or render is one. want: 'sft' or 'dpo', the fields read where a record has
+    both (parse's kind)."""
     bad = BadRecords() if bad is None else bad
     os.makedirs(out_dir, exist_ok=True)
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         os.remove(os.path.join(out_dir, "meta.json"))
     writers = {split: TokenWriter(out_dir, split, tok.vocab_size, units=reasoning_turns == "each")
                for split in ("train", "val")}
-    kind, first, lengths, longest_example = None, None, array("q"), 0
-    status_counts, turn_examples, turns_dropped = dict(ok=0, truncated=0, skipped=0), 0, 0
-    unwritten = getattr(tok, "reasoning_unwritten", 0)  # the tokenizer counts; this file's own from here
+    # the tokenizer counts; this file's own from here
+    unwritten = getattr(tok, "reasoning_unwritten", 0)
     try:
-        for where, split, record in items:
-            try:
-                k, example = parse(record, where, want)
-                seqs = render(tok, k, example, where, template_inputs(record, where), reasoning_turns)
-            except DataError as e:
-                bad.add(e)
-                continue
-            if kind is None:
-                kind, first = k, where
-            elif k != kind:
-                raise DataError(f"{where}: a {k.upper()} line in a file that began as {kind.upper()} at "
-                                f"{first} — keep SFT and DPO data in separate files")
-            if kind == "dpo" and reasoning_turns == "each":
-                raise DataError(f"{where}: reasoning_turns='each' is for SFT conversations, and this is a DPO pair")
-            rendered, (seqs, status) = len(seqs), fit(seqs, kind, where, max_len, overlong)
-            status_counts[status] += 1
-            turns_dropped += (rendered - len(seqs)) * (status == "truncated")  # 'each': nothing left to train
-            turn_examples += max(len(seqs) - 1, 0) * (kind == "sft")
-            for ids, mask in seqs:
-                writers[split].add(ids, mask)
-                lengths.append(len(ids))
-            writers[split].end_unit()
-            longest_example = max(longest_example, sum(len(ids) for ids, _ in seqs))
+        stats = write_records(items, writers, tok, bad, want, max_len, overlong, reasoning_turns)
+        kind = stats["kind"]
         source = (extra_meta or {}).get("source", out_dir)
         if bad.count and (kind is None or bad.policy == "error"):
             bad.raise_error(source, usable=kind is not None)
@@ -311,43 +326,62 @@ def write_token_files(items, out_dir, tok, max_len=4096, overlong="error", extra
             w.abort()
         raise
     for c in counts.values():
-        c["examples"] = c["sequences"] // (2 if kind == "dpo" else 1)  # DPO: pairs
-    q = np.percentile(lengths, [0, 50, 99, 100]).round().astype(int).tolist() if lengths else [0] * 4
+        # DPO: pairs
+        c["examples"] = c["sequences"] // (2 if kind == "dpo" else 1)
+    lengths, status_counts = stats["lengths"], stats["status_counts"]
+    q = [0] * 4
+    if lengths:
+        q = np.percentile(lengths, [0, 50, 99, 100]).round().astype(int).tolist()
+    # longest_example: DPO chosen + rejected (a budget >= this); 'each': a whole conversation
     meta = dict(kind=kind, tokenizer=tok.name, template=tok.template_id, vocab_size=tok.vocab_size,
                 bos_id=tok.bos_id, eos_id=tok.eos_id, dtype=np.dtype(writers["train"].dtype).name,
                 max_len=max_len, overlong=overlong, truncated=status_counts["truncated"],
                 skipped=status_counts["skipped"], counts=counts, length_min_median_p99_max=q,
-                longest_example=longest_example,  # DPO: chosen + rejected, a budget >= this; 'each': a conversation's
-                chat_template_kwargs=tok.chat_template_kwargs, escape_special_text=tok.escape_special_text,
-                reasoning_turns=reasoning_turns, turn_examples=turn_examples, turn_examples_dropped=turns_dropped,
+                longest_example=stats["longest_example"],
+                chat_template_kwargs=tok.chat_template_kwargs,
+                escape_special_text=tok.escape_special_text, reasoning_turns=reasoning_turns,
+                turn_examples=stats["turn_examples"], turn_examples_dropped=stats["turns_dropped"],
                 reasoning_unwritten=unwritten, bad_records=bad.policy,
                 bad_records_skipped=bad.count, bad_records_named=bad.named, **(extra_meta or {}))
     with open(os.path.join(out_dir, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
     if verbose:
-        unit = "pairs" if kind == "dpo" else "examples"
-        sizes = [f"{s} {c['examples']:,} {unit} ({c['tokens']:,} tokens)" for s, c in counts.items()]
-        print(f"wrote {out_dir}: {kind}, {', '.join(sizes)}")
-        print("sequence length in tokens: min {:,} median {:,} p99 {:,} max {:,}".format(*q)
-              + (f"; longest pair {longest_example:,}" if kind == "dpo" else ""))
-        dropped = f" ({turns_dropped:,} turn examples cut to nothing trained, dropped)" * (turns_dropped > 0)
-        print(f"longer than max_len={max_len}: {meta['truncated']:,} truncated{dropped}, {meta['skipped']:,} skipped "
-              f"(--overlong {overlong})")
-        if bad.count:
-            print(f"bad records: {bad.count:,} skipped (--bad_records skip), the first {len(bad.named)}:\n  "
-                  + "\n  ".join(bad.named))
-        if unwritten:
-            hint = ("; --reasoning_turns=each trains a turn whose reasoning only later turns leave out (Qwen3) as an "
-                    "example of its own" if reasoning_turns == "conversation" else "")
-            print(f"note: {unwritten:,} trained assistant turns have reasoning their rendering leaves out (the "
-                  f"template's choice, as transformers renders it): that reasoning is not trained{hint}")
-        if reasoning_turns == "each":
-            print(f"reasoning_turns='each': {turn_examples:,} more example{'s' * (turn_examples != 1)}, each an "
-                  f"assistant turn the conversation renders without its reasoning, trained as the last turn of the "
-                  f"conversation up to it")
-        if counts["val"]["examples"] == 0 and meta.get("val_fraction"):
-            print("note: the val split is empty (raise --val_fraction for a small file)")
+        print_summary(out_dir, meta, bad)
     return meta
+
+
+def print_summary(out_dir, meta, bad):
+    """What write_token_files wrote: sizes, lengths, what was cut, skipped or left untrained."""
+    kind, counts, max_len = meta["kind"], meta["counts"], meta["max_len"]
+    q, longest_example = meta["length_min_median_p99_max"], meta["longest_example"]
+    turn_examples, turns_dropped = meta["turn_examples"], meta["turn_examples_dropped"]
+    unwritten, reasoning_turns = meta["reasoning_unwritten"], meta["reasoning_turns"]
+    unit = "pairs" if kind == "dpo" else "examples"
+    sizes = [f"{s} {c['examples']:,} {unit} ({c['tokens']:,} tokens)" for s, c in counts.items()]
+    print(f"wrote {out_dir}: {kind}, {', '.join(sizes)}")
+    print("sequence length in tokens: min {:,} median {:,} p99 {:,} max {:,}".format(*q)
+          + (f"; longest pair {longest_example:,}" if kind == "dpo" else ""))
+    dropped = ""
+    if turns_dropped:
+        dropped = f" ({turns_dropped:,} turn examples cut to nothing trained, dropped)"
+    print(f"longer than max_len={max_len}: {meta['truncated']:,} truncated{dropped}, "
+          f"{meta['skipped']:,} skipped (--overlong {meta['overlong']})")
+    if bad.count:
+        print(f"bad records: {bad.count:,} skipped (--bad_records skip), "
+              f"the first {len(bad.named)}:\n  " + "\n  ".join(bad.named))
+    if unwritten:
+        hint = ("; --reasoning_turns=each trains a turn whose reasoning only later turns leave out "
+                "(Qwen3) as an example of its own" if reasoning_turns == "conversation" else "")
+        print(f"note: {unwritten:,} trained assistant turns have reasoning their rendering leaves "
+              f"out (the template's choice, as transformers renders it): that reasoning is not "
+              f"trained{hint}")
+    if reasoning_turns == "each":
+        plural = "s" * (turn_examples != 1)
+        print(f"reasoning_turns='each': {turn_examples:,} more example{plural}, each an assistant "
+              f"turn the conversation renders without its reasoning, trained as the last turn of "
+              f"the conversation up to it")
+    if counts["val"]["examples"] == 0 and meta.get("val_fraction"):
+        print("note: the val split is empty (raise --val_fraction for a small file)")
 
 
 def absolute(path):
