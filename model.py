@@ -6,10 +6,11 @@ Several sequences are concatenated into one stream of T tokens with no padding:
   position_ids (T,)    restart at 0 for every sequence (RoPE reads them)
   cu_seqlens   (N+1,)  int32 sequence boundaries: sequence i is [cu_seqlens[i], cu_seqlens[i+1])
   max_seqlen   int     the longest sequence (the attention kernels want it on the host)
-Attention never crosses a boundary, so the stream computes exactly what N separate padded rows would.
-Optional kv = (kv_index, cu_seqlens_k, max_seqlen_k[, context-parallel group]): keys and values are k[kv_index], a
-stream of their own (a reply reads its prompt, laid out once: packing.py), causal attention aligned at the bottom
-right; with a group (context.py), kv_index reads the whole group's K/V rows, all-gathered.
+Attention never crosses a boundary, so the stream computes exactly what N separate padded rows
+would. Optional kv = (kv_index, cu_seqlens_k, max_seqlen_k[, context-parallel group]): keys and
+values are k[kv_index], a stream of their own (a reply reads its prompt, laid out once: packing.py),
+causal attention aligned at the bottom right; with a group (context.py), kv_index reads the whole
+group's K/V rows, all-gathered.
 """
 import inspect
 import math
@@ -33,8 +34,11 @@ try:
     from torch.nn.attention.varlen import varlen_attn
 except ImportError:
     varlen_attn = None
-# its keywords changed across releases (2.10: is_causal; later: window_size, then enable_gqa): we call what is there
-VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters) if varlen_attn is not None else set()
+# its keywords changed across releases (2.10: is_causal; later: window_size, then enable_gqa): we
+# call what is there
+VARLEN_KEYWORDS = set()
+if varlen_attn is not None:
+    VARLEN_KEYWORDS = set(inspect.signature(varlen_attn).parameters)
 
 ARCHS = ("llama", "qwen2", "qwen3", "mistral", "smollm3")  # Hugging Face model_type values
 
@@ -49,14 +53,16 @@ class ModelConfig:
     ffn_hidden: int = 512
     head_dim: Optional[int] = None  # None -> d_model // n_head
     rope_theta: float = 10000.0
-    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3", factor, ...} or {"rope_type": "linear", "factor": f}
+    # {"rope_type": "llama3", factor, ...} or {"rope_type": "linear", "factor": f}
+    rope_scaling: Optional[dict] = None
     max_seq_len: int = 2048  # RoPE table size; Hugging Face's max_position_embeddings
     norm_eps: float = 1e-5
     qkv_bias: bool = False  # Qwen2 has biases on q, k, v (not on o)
     qk_norm: bool = False  # Qwen3: an RMSNorm over head_dim on each q and k head, before RoPE
     nope_layers: tuple = ()  # SmolLM3: indices of the layers that skip RoPE ("NoPE")
     tie_embeddings: bool = False
-    sliding_window: Optional[int] = None  # Mistral: a token sees itself and the sliding_window-1 before it
+    # Mistral: a token sees itself and the sliding_window-1 before it
+    sliding_window: Optional[int] = None
     arch: str = "llama"  # the Hugging Face architecture hf.save_pretrained writes: one of ARCHS
 
     def __post_init__(self):
@@ -68,39 +74,47 @@ class ModelConfig:
             f"n_head={self.n_head} must be a multiple of n_kv_head={self.n_kv_head}"
         assert self.head_dim % 2 == 0, f"RoPE needs an even head_dim, got {self.head_dim}"
         assert self.arch in ARCHS, f"unknown arch {self.arch!r}; one of {ARCHS}"
-        # checked here, not at export: a run must not train for hours a model save_pretrained cannot describe
+        # checked here, not at export: a run must not train for hours a model save_pretrained cannot
+        # describe
         assert not self.qk_norm or self.arch == "qwen3", "qk_norm needs arch='qwen3'"
         assert not self.nope_layers or self.arch == "smollm3", "nope_layers needs arch='smollm3'"
-        self.nope_layers = tuple(self.nope_layers)  # a list (JSON, a config file) too: equal configs compare equal
-        # vocab rows padded to a multiple of 64 keep the head matmul on fast tiles: zero, never indexed, cut off
+        # a list (JSON, a config file) too: equal configs compare equal
+        self.nope_layers = tuple(self.nope_layers)
+        # vocab rows padded to a multiple of 64 keep the head matmul on fast tiles: zero, never
+        # indexed, cut off
         self.padded_vocab_size = -(-self.vocab_size // 64) * 64
 
 
-LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)  # all Llama 3.x
+# all Llama 3.x
+LLAMA3_ROPE = dict(low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 PRESETS = {
     # ~0.1M parameters: tests and smoke runs of the training scripts
-    "tiny": dict(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, ffn_hidden=128, max_seq_len=2048),
+    "tiny": dict(vocab_size=512, n_layer=2, n_head=4, n_kv_head=2, d_model=64, ffn_hidden=128,
+                 max_seq_len=2048),
     # ~1.1M parameters: learns the built-in arithmetic chat task in a few minutes on a laptop CPU.
-    "toy": dict(vocab_size=512, n_layer=4, n_head=4, n_kv_head=2, d_model=128, ffn_hidden=512, max_seq_len=2048),
-    "smollm2-135m": dict(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, d_model=576, ffn_hidden=1536,
-                         rope_theta=100000.0, max_seq_len=8192, tie_embeddings=True),
-    "qwen2.5-0.5b": dict(vocab_size=151936, n_layer=24, n_head=14, n_kv_head=2, d_model=896, ffn_hidden=4864,
-                         rope_theta=1000000.0, max_seq_len=32768, norm_eps=1e-6, qkv_bias=True,
-                         tie_embeddings=True, arch="qwen2"),
-    "qwen3-0.6b": dict(vocab_size=151936, n_layer=28, n_head=16, n_kv_head=8, d_model=1024, ffn_hidden=3072,
-                       head_dim=128, rope_theta=1000000.0, max_seq_len=40960, norm_eps=1e-6, qk_norm=True,
-                       tie_embeddings=True, arch="qwen3"),
-    "qwen3-1.7b": dict(vocab_size=151936, n_layer=28, n_head=16, n_kv_head=8, d_model=2048, ffn_hidden=6144,
-                       head_dim=128, rope_theta=1000000.0, max_seq_len=40960, norm_eps=1e-6, qk_norm=True,
-                       tie_embeddings=True, arch="qwen3"),
-    "llama-3.2-1b": dict(vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, d_model=2048, ffn_hidden=8192,
-                         rope_theta=500000.0, max_seq_len=131072, tie_embeddings=True,
+    "toy": dict(vocab_size=512, n_layer=4, n_head=4, n_kv_head=2, d_model=128, ffn_hidden=512,
+                max_seq_len=2048),
+    "smollm2-135m": dict(vocab_size=49152, n_layer=30, n_head=9, n_kv_head=3, d_model=576,
+                         ffn_hidden=1536, rope_theta=100000.0, max_seq_len=8192,
+                         tie_embeddings=True),
+    "qwen2.5-0.5b": dict(vocab_size=151936, n_layer=24, n_head=14, n_kv_head=2, d_model=896,
+                         ffn_hidden=4864, rope_theta=1000000.0, max_seq_len=32768, norm_eps=1e-6,
+                         qkv_bias=True, tie_embeddings=True, arch="qwen2"),
+    "qwen3-0.6b": dict(vocab_size=151936, n_layer=28, n_head=16, n_kv_head=8, d_model=1024,
+                       ffn_hidden=3072, head_dim=128, rope_theta=1000000.0, max_seq_len=40960,
+                       norm_eps=1e-6, qk_norm=True, tie_embeddings=True, arch="qwen3"),
+    "qwen3-1.7b": dict(vocab_size=151936, n_layer=28, n_head=16, n_kv_head=8, d_model=2048,
+                       ffn_hidden=6144, head_dim=128, rope_theta=1000000.0, max_seq_len=40960,
+                       norm_eps=1e-6, qk_norm=True, tie_embeddings=True, arch="qwen3"),
+    "llama-3.2-1b": dict(vocab_size=128256, n_layer=16, n_head=32, n_kv_head=8, d_model=2048,
+                         ffn_hidden=8192, rope_theta=500000.0, max_seq_len=131072,
+                         tie_embeddings=True,
                          rope_scaling=dict(rope_type="llama3", factor=32.0, **LLAMA3_ROPE)),
-    "llama-3.1-8b": dict(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, d_model=4096, ffn_hidden=14336,
-                         rope_theta=500000.0, max_seq_len=131072,
+    "llama-3.1-8b": dict(vocab_size=128256, n_layer=32, n_head=32, n_kv_head=8, d_model=4096,
+                         ffn_hidden=14336, rope_theta=500000.0, max_seq_len=131072,
                          rope_scaling=dict(rope_type="llama3", factor=8.0, **LLAMA3_ROPE)),
-    "llama-3.1-70b": dict(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, d_model=8192, ffn_hidden=28672,
-                          rope_theta=500000.0, max_seq_len=131072,
+    "llama-3.1-70b": dict(vocab_size=128256, n_layer=80, n_head=64, n_kv_head=8, d_model=8192,
+                          ffn_hidden=28672, rope_theta=500000.0, max_seq_len=131072,
                           rope_scaling=dict(rope_type="llama3", factor=8.0, **LLAMA3_ROPE)),
 }
 
@@ -118,9 +132,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # statistics in float32 whatever the activation dtype (bf16 squares lose digits), like the reference
+        # statistics in float32 whatever the activation dtype (bf16 squares lose digits), like the
+        # reference
         xf = x.float()
-        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
 
 
 def rope_tables(config, device):
@@ -142,13 +158,16 @@ def rope_tables(config, device):
         is_medium = ~(wavelen < old_len / hi) * ~(wavelen > old_len / lo)
         inv_freq = torch.where(is_medium, smoothed, scaled)
     elif kind != "default":
-        raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported (supported: default, linear, llama3)")
-    freqs = torch.outer(torch.arange(config.max_seq_len, device=device, dtype=torch.float32), inv_freq.to(device))
+        raise ValueError(f"rope_scaling.rope_type={kind!r} is not supported (supported: default, "
+                         "linear, llama3)")
+    freqs = torch.outer(torch.arange(config.max_seq_len, device=device, dtype=torch.float32),
+                        inv_freq.to(device))
     return freqs.cos(), freqs.sin()
 
 
 def rope_reference(q, k, cos, sin, position_ids):
-    """q: (T, Hq, D), k: (T, Hkv, D); cos/sin: (P, D/2) float32. Hugging Face's rotate_half layout, math in float32."""
+    """q: (T, Hq, D), k: (T, Hkv, D); cos/sin: (P, D/2) float32. Hugging Face's rotate_half layout,
+    math in float32."""
     c, s = cos[position_ids][:, None, :], sin[position_ids][:, None, :]  # (T, 1, D/2)
 
     def rotate(x):
@@ -158,10 +177,12 @@ def rope_reference(q, k, cos, sin, position_ids):
     return rotate(q), rotate(k)
 
 
-ROPE_BACKEND = None  # None: fused where it runs (rope_fusable), else the reference; tests may force "fused"
+# None: fused where it runs (rope_fusable), else the reference; tests may force "fused"
+ROPE_BACKEND = None
 
 
-def rope_fusable(is_cuda, head_dim):  # the Triton kernel: CUDA, a power-of-two head dim >= 16 (not 80, 96, a toy's 8)
+# the Triton kernel: CUDA, a power-of-two head dim >= 16 (not 80, 96, a toy's 8)
+def rope_fusable(is_cuda, head_dim):
     return is_cuda and kernels.HAS_TRITON and kernels.rope_fits(head_dim)
 
 
@@ -171,78 +192,101 @@ def apply_rope(q, k, cos, sin, position_ids):
     return rope_reference(q, k, cos, sin, position_ids)
 
 
-# device type -> backend name (tests may set it), fixed at import: a dict filled in a compiled call fails its guard once
-_ATTN_BACKEND = dict(cpu="sdpa", cuda="flash_attn" if flash_attn_varlen_func is not None else "torch_varlen"
+# device type -> backend name (tests may set it), fixed at import: a dict filled in a compiled call
+# fails its guard once
+_ATTN_BACKEND = dict(cpu="sdpa", cuda="flash_attn" if flash_attn_varlen_func is not None
+                     else "torch_varlen"
                      if varlen_attn is not None else "sdpa")
 
 
 def attention_backend(device, dtype):
-    # the flash kernels take half precision only; a float32 run (e.g. a parity test) uses the exact fallback
-    return _ATTN_BACKEND.get(device.type, "sdpa") if dtype in (torch.float16, torch.bfloat16) else "sdpa"
+    # the flash kernels take half precision only; a float32 run (e.g. a parity test) uses the exact
+    # fallback
+    return _ATTN_BACKEND.get(device.type, "sdpa") if dtype in (torch.float16,
+                                                               torch.bfloat16) else "sdpa"
 
 
-def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_seqlens_k=None, max_seqlen_k=None):
-    """Causal attention within each packed sequence: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D). With cu_seqlens_k,
-    k/v are (Tk, Hkv, D), query segment i attending to key segment i aligned at the bottom right (as flash-attn)."""
+def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_seqlens_k=None,
+                     max_seqlen_k=None):
+    """Causal attention within each packed sequence: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D).
+    With cu_seqlens_k, k/v are (Tk, Hkv, D), query segment i attending to key segment i aligned at
+    the bottom right (as flash-attn)."""
     backend = attention_backend(q.device, q.dtype)
     left = -1 if sliding_window is None else sliding_window - 1  # tokens seen before the query
     cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     if backend == "flash_attn":
-        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, causal=True, window_size=(left, 0))
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, causal=True,
+                                      window_size=(left, 0))
     if backend == "torch_varlen" and (sliding_window is None or "window_size" in VARLEN_KEYWORDS):
-        causal = dict(window_size=(left, 0)) if "window_size" in VARLEN_KEYWORDS else dict(is_causal=True)
+        causal = dict(is_causal=True)
+        if "window_size" in VARLEN_KEYWORDS:
+            causal = dict(window_size=(left, 0))
         if "enable_gqa" in VARLEN_KEYWORDS:
             causal["enable_gqa"] = q.shape[1] != k.shape[1]
-        elif q.shape[1] != k.shape[1]:  # a release whose varlen_attn takes as many K/V heads as query heads
+        elif q.shape[1] != k.shape[1]:
+            # a release whose varlen_attn takes as many K/V heads as query heads
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, **causal)
     return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k)
 
 
 class BottomRight(torch.autograd.Function):
-    """CPU attention of the last Lq of Lk queries, exact in O(Lq x Lk): the keys before them unmasked, their own causal,
-    two flash calls merged by log-sum-exp; each part's backward with the merged output and log-sum-exp is the whole
-    softmax's gradient for that part's keys (as ring attention's)."""
+    """CPU attention of the last Lq of Lk queries, exact in O(Lq x Lk): the keys before them
+    unmasked, their own causal, two flash calls merged by log-sum-exp; each part's backward with the
+    merged output and log-sum-exp is the whole softmax's gradient for that part's keys (as ring
+    attention's)."""
 
     @staticmethod
     def forward(ctx, q, k, v):
-        h, flash = k.shape[2] - q.shape[2], torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        h = k.shape[2] - q.shape[2]
         (oa, la), (ob, lb) = (flash(q, k[:, :, :h], v[:, :, :h], 0.0, False),
                               flash(q, k[:, :, h:], v[:, :, h:], 0.0, True))
         lse = torch.logaddexp(la, lb)  # float32 for half precision, as the kernel's
-        o = sum(x.to(lse.dtype) * (l - lse).exp()[..., None] for x, l in ((oa, la), (ob, lb))).to(q.dtype)
+        o = sum(x.to(lse.dtype) * (l - lse).exp()[..., None]
+                for x, l in ((oa, la), (ob, lb))).to(q.dtype)
         ctx.save_for_backward(q, k, v, o, lse)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse = ctx.saved_tensors
-        h, back = k.shape[2] - q.shape[2], torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        (dqa, dka, dva), (dqb, dkb, dvb) = (back(do, q, k[:, :, :h], v[:, :, :h], o, lse, 0.0, False),
-                                            back(do, q, k[:, :, h:], v[:, :, h:], o, lse, 0.0, True))
+        back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        h = k.shape[2] - q.shape[2]
+        dqa, dka, dva = back(do, q, k[:, :, :h], v[:, :, :h], o, lse, 0.0, False)
+        dqb, dkb, dvb = back(do, q, k[:, :, h:], v[:, :, h:], o, lse, 0.0, True)
         return dqa + dqb, torch.cat([dka, dkb], 2), torch.cat([dva, dvb], 2)
 
 
-@torch.compiler.disable  # a Python loop over a data-dependent number of sequences: run eagerly, never traced
+# a Python loop over a data-dependent number of sequences: run eagerly, never traced
+@torch.compiler.disable
 def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=None):
     """Exact fallback for any device: one SDPA call per sequence, memory O(max L^2), not O(T^2)."""
-    groups = q.shape[1] // k.shape[1]  # K/V repeated: SDPA's enable_gqa takes a slow math path on CPU
+    # K/V repeated: SDPA's enable_gqa takes a slow math path on CPU
+    groups = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    # lengths on the host from cu_seqlens as it is: an op on it first is data-dependent under fake tensors (plan.py)
+    # lengths on the host from cu_seqlens as it is: an op on it first is data-dependent under fake
+    # tensors (plan.py)
     lens = np.diff(cu_seqlens.tolist()).tolist()
     k_lens = lens if cu_seqlens_k is None else np.diff(cu_seqlens_k.tolist()).tolist()
     outs = []
-    # split, not slices: its backward is one cat; 4-D (1, H, L, D): 3-D inputs take CPU SDPA's O(L^2) math path
+    # split, not slices: its backward is one cat; 4-D (1, H, L, D): 3-D inputs take CPU SDPA's
+    # O(L^2) math path
     for qi, ki, vi in zip(q.split(lens), k.split(k_lens), v.split(k_lens)):
         qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
         Lq, Lk = qi.shape[2], ki.shape[2]
         mask = None
-        if 0 < Lq < Lk and (sliding_window is None or Lk <= sliding_window) and q.device.type == "cpu":  # 0: SIGFPE
-            outs.append(BottomRight.apply(qi, ki, vi)[0].transpose(0, 1))  # a mask takes CPU's O(Lq x Lk) math path
+        # 0: SIGFPE
+        if 0 < Lq < Lk and (sliding_window is None
+                            or Lk <= sliding_window) and q.device.type == "cpu":
+            # a mask takes CPU's O(Lq x Lk) math path
+            outs.append(BottomRight.apply(qi, ki, vi)[0].transpose(0, 1))
             continue
         if Lq != Lk or (sliding_window is not None and Lk > sliding_window):
-            # SDPA's is_causal aligns at the top left; queries are the last Lq of the Lk keys (bottom right)
-            i = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]  # each query's place among the keys
+            # SDPA's is_causal aligns at the top left; queries are the last Lq of the Lk keys
+            # (bottom right)
+            # each query's place among the keys
+            i = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]
             j = torch.arange(Lk, device=q.device)[None, :]
             mask = (j <= i) & (i - j < (sliding_window or Lk))  # (Lq, Lk)
         o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None)
@@ -273,11 +317,15 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.use_rope:
             q, k = apply_rope(q, k, *rope, position_ids)
-        q, k = q.to(v.dtype), k.to(v.dtype)  # under autocast float32 norm weights promote q, k; SDPA's autocast casts
-        if kv is not None:  # a key stream of its own: e.g. the shared prompt's keys again for a rejected response
-            if len(kv) > 3:  # context parallel: kv_index reads K/V all-gathered over the group kv[3] (context.py)
+        # under autocast float32 norm weights promote q, k; SDPA's autocast casts
+        q, k = q.to(v.dtype), k.to(v.dtype)
+        # a key stream of its own: e.g. the shared prompt's keys again for a rejected response
+        if kv is not None:
+            # context parallel: kv_index reads K/V all-gathered over the group kv[3] (context.py)
+            if len(kv) > 3:
                 k, v = kv[3].gather(torch.cat([k, v], 1)).chunk(2, 1)  # one collective for both
-            k, v = k.index_select(0, kv[0]), v.index_select(0, kv[0])  # gradients add back into the prompt's rows
+            # gradients add back into the prompt's rows
+            k, v = k.index_select(0, kv[0]), v.index_select(0, kv[0])
             y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window, kv[1], kv[2])
         elif cache is None:
             y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window)  # (T, H, D)
@@ -306,7 +354,8 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x, rope, position_ids, cu_seqlens, max_seqlen, kv=None, cache=None):
-        x = x + self.self_attn(self.input_layernorm(x), rope, position_ids, cu_seqlens, max_seqlen, kv, cache)
+        x = x + self.self_attn(self.input_layernorm(x), rope, position_ids, cu_seqlens, max_seqlen,
+                               kv, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -321,18 +370,21 @@ class Transformer(nn.Module):
         self.lm_head = (None if config.tie_embeddings else
                         nn.Linear(config.d_model, config.padded_vocab_size, bias=False))
         self._rope = {}  # device -> (cos, sin); kept out of the state dict and out of .to(dtype)
-        self.activation_checkpointing = False  # recompute each block in backward: less memory, ~1/3 more compute
+        # recompute each block in backward: less memory, ~1/3 more compute
+        self.activation_checkpointing = False
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
     @torch.no_grad()
     def init_weights(self):
-        # GPT-2 style N(0, 0.02), residual-branch outputs scaled by 1/sqrt(2 * n_layer): variance stays flat in depth
+        # GPT-2 style N(0, 0.02), residual-branch outputs scaled by 1/sqrt(2 * n_layer): variance
+        # stays flat in depth
         std = 0.02
         for name, p in self.named_parameters():
             if name.endswith("bias"):
                 p.zero_()
-            elif name.endswith("norm.weight"):  # the layer norms, the final norm, Qwen3's q_norm / k_norm
+            elif name.endswith("norm.weight"):
+                # the layer norms, the final norm, Qwen3's q_norm / k_norm
                 p.fill_(1.0)
             elif name.endswith(("o_proj.weight", "down_proj.weight")):
                 p.normal_(0.0, std / math.sqrt(2 * self.config.n_layer))
@@ -351,27 +403,34 @@ class Transformer(nn.Module):
             self._rope[device] = rope_tables(self.config, device)
         return self._rope[device]
 
-    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv=None, cache=None):
+    def hidden_states(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, kv=None,
+                      cache=None):
         """The trunk: (T,) token ids -> (T, d_model) final-normed hidden states."""
         T = input_ids.shape[0]
         if cu_seqlens is None:  # a plain (T,) call is one sequence
-            cu_seqlens, max_seqlen = torch.tensor([0, T], dtype=torch.int32, device=input_ids.device), T
+            cu_seqlens, max_seqlen = torch.tensor([0, T], dtype=torch.int32,
+                                                  device=input_ids.device), T
         if position_ids is None:
-            assert cu_seqlens.numel() == 2, "packed input needs position_ids restarting at 0 per sequence"
+            assert cu_seqlens.numel() == 2, \
+                "packed input needs position_ids restarting at 0 per sequence"
             position_ids = torch.arange(T, device=input_ids.device)
         if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())  # host sync; the packer passes it
-        longest = max_seqlen if kv is None else max(max_seqlen, kv[2])  # a shared rest's positions start past 0
+            # host sync; the packer passes it
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        # a shared rest's positions start past 0
+        longest = max_seqlen if kv is None else max(max_seqlen, kv[2])
         if longest > self.config.max_seq_len:
-            raise ValueError(f"a sequence of {longest} tokens exceeds max_seq_len={self.config.max_seq_len} "
-                             f"(the RoPE table size); raise max_seq_len in the config or use shorter sequences")
+            raise ValueError(f"a sequence of {longest} tokens exceeds "
+                             f"max_seq_len={self.config.max_seq_len} (the RoPE table size); raise "
+                             "max_seq_len in the config or use shorter sequences")
         rope = self.rope(input_ids.device)
         if cache is not None:
             cache.begin(position_ids, cu_seqlens, max_seqlen, self.config.sliding_window)
         x = self.embed_tokens(input_ids)
         for block in self.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, rope, position_ids, cu_seqlens, max_seqlen, kv,
+                x = torch.utils.checkpoint.checkpoint(block, x, rope, position_ids, cu_seqlens,
+                                                      max_seqlen, kv,
                                                       use_reentrant=False)
             else:
                 x = block(x, rope, position_ids, cu_seqlens, max_seqlen, kv, cache)
@@ -380,13 +439,17 @@ class Transformer(nn.Module):
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, targets=None,
                 loss_weights=None, logprobs=False, logits_at=None, cache=None, target_rows=None,
                 kv=None, temperature=1.0):
-        """All uses go through forward, so that the DDP / FSDP2 wrappers' hooks run (gradient sync, all-gathers):
-          targets:                 (summed cross-entropy float32, number of targets), loss_weights (T,) per position
+        """All uses go through forward, so that the DDP / FSDP2 wrappers' hooks run (gradient sync,
+        all-gathers):
+          targets:                 (summed cross-entropy float32, number of targets),
+                                   loss_weights (T,) per position
           targets, logprobs=True:  (T,) float32 log p(targets[t]), 0 where ignored (DPO);
                                    p = softmax(logits / temperature): RL's at its sampling one
-          no targets:              logits (T, vocab_size), or only at the rows logits_at (generation)
-        targets (T,): each position's next token, -100 where none; with target_rows (K,), row target_rows[i]'s (a
-        shared prompt's last row predicts two). cache: generate.KVCache, max_seqlen counting the cached tokens."""
+          no targets:              logits (T, vocab_size), or only at the rows logits_at
+                                   (generation)
+        targets (T,): each position's next token, -100 where none; with target_rows (K,), row
+        target_rows[i]'s (a shared prompt's last row predicts two). cache: generate.KVCache,
+        max_seqlen counting the cached tokens."""
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv, cache)
         if target_rows is not None:
             h = h.index_select(0, target_rows)  # (K, d): the gradient of a row used twice is summed
@@ -399,18 +462,21 @@ class Transformer(nn.Module):
         return kernels.chunked_cross_entropy(h, w, targets, V, loss_weights)
 
     def flops_per_token(self, seq_lens, head_tokens=None, key_lens=None):
-        """Training FLOPs per real token of a packed batch: 6 per matmul parameter (4 if frozen: no weight gradient),
-        plus causal attention from the actual lengths, 6 * n_layer * H * D * sum(L^2) / sum(L) (QK^T and AV: 4 L^2 H D,
-        halved by the mask, x3 with backward); Lq queries over key_lens Lk score Lq (2 Lk - Lq) / 2 pairs.
-        head_tokens: the LM head runs on the target tokens alone."""
+        """Training FLOPs per real token of a packed batch: 6 per matmul parameter (4 if frozen: no
+        weight gradient), plus causal attention from the actual lengths, 6 * n_layer * H * D *
+        sum(L^2) / sum(L) (QK^T and AV: 4 L^2 H D, halved by the mask, x3 with backward); Lq queries
+        over key_lens Lk score Lq (2 Lk - Lq) / 2 pairs. head_tokens: the LM head runs on the target
+        tokens alone."""
         cfg = self.config
         lens = torch.as_tensor(seq_lens, dtype=torch.float64)
         n_tokens = float(lens.sum())
         keys = lens if key_lens is None else torch.as_tensor(key_lens, dtype=torch.float64)
         scored = lens * (2 * keys - lens)  # L^2 where Lk = Lq
         per_param = lambda p: p.numel() * (6 if p.requires_grad else 4)
-        head = cfg.d_model * cfg.vocab_size * per_param(self.head_weight()) / self.head_weight().numel()
-        tables = {id(self.embed_tokens.weight), id(self.head_weight())}  # a lookup is no matmul; the head: above
+        head_weight = self.head_weight()
+        head = cfg.d_model * cfg.vocab_size * per_param(head_weight) / head_weight.numel()
+        # a lookup is no matmul; the head: above
+        tables = {id(self.embed_tokens.weight), id(self.head_weight())}
         trunk = sum(per_param(p) for p in self.parameters() if id(p) not in tables)
         head_share = 1.0 if head_tokens is None else head_tokens / n_tokens
         attn = 6 * cfg.n_layer * cfg.n_head * cfg.head_dim * float(scored.sum()) / n_tokens

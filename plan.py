@@ -1,17 +1,23 @@
-"""
-Will this run fit? Runs a training script's own step on fake tensors (fake_step.py) and reports the peak memory of one
-GPU by category, the phase of the peak, whether it fits, and the largest microbatch_tokens that does.
+r"""
+Will this run fit? Runs a training script's own step on fake tensors (fake_step.py) and reports the
+peak memory of one GPU by category, the phase of the peak, whether it fits, and the largest
+microbatch_tokens that does.
 
-    python plan.py train_sft.py config/sft_llama3.1_8b_fsdp.py --gpus=8 --gpu_memory=80 [--json=plan.json]
-    python plan.py train_dpo.py --init_from=scratch --preset=llama-3.1-8b --lora_rank=16 --quantize_base=nf4
+    python plan.py train_sft.py config/sft_llama3.1_8b_fsdp.py --gpus=8 --gpu_memory=80 \
+        [--json=plan.json]
+    python plan.py train_dpo.py --init_from=scratch --preset=llama-3.1-8b --lora_rank=16 \
+        --quantize_base=nf4
     python plan.py train_rl.py --init_from=/models/Qwen3-1.7B --gpus=8 --k=8 --prompts_per_step=64
-    python plan.py train_sft.py --preset=tiny --device=cpu     # a CPU run: no allowance, float32 as the script runs
+    # a CPU run: no allowance, float32 as the script runs
+    python plan.py train_sft.py --preset=tiny --device=cpu
 
-plan.py's own keys: --gpus (the world size planned, default 1), --gpu_memory (GiB per GPU, default 80), --json (write
-the figures there), --device ('cuda', default: a GPU run, bfloat16; 'cpu': the script's CPU run). Every other
---key=value and config file is the script's own (`python plan.py train_sft.py --help` lists them); the planned run's
-own printed lines are shown only where the plan fails. The CUDA context, NCCL's buffers and the caching allocator's
-fragmentation hold no tensors: on a GPU they are one stated allowance (ALLOWANCE_GIB, FRAGMENTATION).
+plan.py's own keys: --gpus (the world size planned, default 1), --gpu_memory (GiB per GPU, default
+80), --json (write the figures there), --device ('cuda', default: a GPU run, bfloat16; 'cpu': the
+script's CPU run). Every other --key=value and config file is the script's own
+(`python plan.py train_sft.py --help` lists them); the planned run's own printed lines are shown
+only where the plan fails. The CUDA context, NCCL's buffers and the caching allocator's
+fragmentation hold no tensors: on a GPU they are one stated allowance (ALLOWANCE_GIB,
+FRAGMENTATION).
 """
 import io
 import json
@@ -26,17 +32,20 @@ from unittest import mock
 from nanopack.fake_step import config_keys, plan_step
 
 GIB = 2 ** 30
-# Memory no tensor holds, on a GPU: the CUDA context with its kernels and NCCL's communicators and buffers (1 GiB
-# together), and the caching allocator's fragmentation and cached blocks (8% of the tensors' peak; one H100 run
-# measured 6.1%: bench/RESULTS.md). Orders of magnitude: measure on the GPU that will run the job to replace them.
+# Memory no tensor holds, on a GPU: the CUDA context with its kernels and NCCL's communicators and
+# buffers (1 GiB together), and the caching allocator's fragmentation and cached blocks (8% of the
+# tensors' peak; one H100 run measured 6.1%: bench/RESULTS.md). Orders of magnitude: measure on the
+# GPU that will run the job to replace them.
 ALLOWANCE_GIB, FRAGMENTATION = 1.0, 0.08
 PLAN_KEYS = dict(gpus=1, gpu_memory=80.0, json="", device="cuda")
 
 
 def figures(script, args, gpus, gpu_memory, device):
     """One plan -> the figures of --json (allowance added for a GPU)."""
-    with redirect_stdout(io.StringIO()) as run_output:  # the planned run's own lines (1000000000 iterations, a loss
-        try:  # of 1) are no part of the plan; where the plan fails they are shown, ahead of its error
+    # the planned run's own lines (1000000000 iterations, a loss of 1) are no part of the plan;
+    # where the plan fails they are shown, ahead of its error
+    with redirect_stdout(io.StringIO()) as run_output:
+        try:
             r = plan_step(script, args, gpus, device)
         except (Exception, SystemExit):
             sys.stderr.write(run_output.getvalue())
@@ -46,46 +55,62 @@ def figures(script, args, gpus, gpu_memory, device):
         by["allowance"] = ALLOWANCE_GIB + FRAGMENTATION * sum(by.values())
     peak = sum(by.values())
     return dict(world_size=gpus, gpu_memory_gib=gpu_memory, peak_gib=peak, peak_phase=r["phase"],
-                fits=peak <= gpu_memory, by_category_gib=by, tokens_per_step=int(r["tokens"]) * gpus,
-                flops_per_step=r["flops"] * gpus, microbatch_tokens=r["config"]["microbatch_tokens"],
+                fits=peak <= gpu_memory, by_category_gib=by,
+                tokens_per_step=int(r["tokens"]) * gpus,
+                flops_per_step=r["flops"] * gpus,
+                microbatch_tokens=r["config"]["microbatch_tokens"],
                 whole_step_tokens=r["whole_step_tokens"],
-                least_microbatch_tokens=-(-r["longest_unit"] // r["config"].get("context_parallel", 1)))
+                least_microbatch_tokens=-(-r["longest_unit"]
+                                          // r["config"].get("context_parallel", 1)))
 
 
 def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=256):
-    """-> (the largest multiple of `step` tokens whose plan fits (0: none), False), or (the budget from which a rank's
-    whole step is one micro-batch, True) where that fits: any larger plans alike. The peak grows about linearly with the
-    budget, so the line through the last two plans guesses where it crosses gpu_memory; each guess narrows [fits, does
-    not fit] to one step: 3-5 plans on a line, bisection's count on a staircase (whole sequences a micro-batch)."""
+    """-> (the largest multiple of `step` tokens whose plan fits (0: none), False), or (the budget
+    from which a rank's whole step is one micro-batch, True) where that fits: any larger plans
+    alike. The peak grows about linearly with the budget, so the line through the last two plans
+    guesses where it crosses gpu_memory; each guess narrows [fits, does not fit] to one step: 3-5
+    plans on a line, bisection's count on a staircase (whole sequences a micro-batch)."""
     def plan_at(n):
         progress(f"plan: microbatch_tokens={n * step:,}?")
         f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device)
         return f["peak_gib"], f["fits"], f["whole_step_tokens"]
-    # no budget below the longest example's (its run stops at load; absent data: a max_len example's), in steps
+    # no budget below the longest example's (its run stops at load; absent data: a max_len
+    # example's), in steps
     floor = max(1, -(-first["least_microbatch_tokens"] // step))
     n0 = max(floor, first["microbatch_tokens"] // step)
-    peak, fits, whole = (first["peak_gib"], first["fits"], first["whole_step_tokens"]) if n0 * step <= first[
-        "microbatch_tokens"] else plan_at(n0)
-    lo, hi = (n0, None) if fits else (floor - 1, n0)  # lo: the largest budget known to fit, else below floor
+    if n0 * step <= first["microbatch_tokens"]:
+        peak, fits, whole = first["peak_gib"], first["fits"], first["whole_step_tokens"]
+    else:
+        peak, fits, whole = plan_at(n0)
+    # lo: the largest budget known to fit, else below floor
+    lo, hi = (n0, None) if fits else (floor - 1, n0)
     peaks, sides, plateau = {n0: peak}, [], False  # budget (in steps) -> its peak; each guess fit?
     wholes = {n0: whole}  # budget (in steps) -> the budget holding its step in one micro-batch
     while hi is None or hi - lo > 1:
-        (na, pa), (nb, pb) = sorted(peaks.items())[-2:] if len(peaks) > 1 else ((None, None), (None, None))
-        if hi is None and na and wholes[na] == wholes[nb] <= nb * step:  # the same step at two budgets (sequences no
-            return wholes[nb], True  # longer with more), one micro-batch at the larger: from there on all alike
-        if hi is None:  # grow: where the line through the two largest crosses, at least doubling the last gain, at
-            # most to where lo's whole step is one micro-batch
+        (na, pa), (nb, pb) = ((None, None), (None, None))
+        if len(peaks) > 1:
+            (na, pa), (nb, pb) = sorted(peaks.items())[-2:]
+        # the same step at two budgets (sequences no longer with more), one micro-batch at the
+        # larger: from there on all alike
+        if hi is None and na and wholes[na] == wholes[nb] <= nb * step:
+            return wholes[nb], True
+        if hi is None:
+            # grow: where the line through the two largest crosses, at least doubling the last
+            # gain, at most to where lo's whole step is one micro-batch
             line = int(nb + (gpu_memory - pb) * (nb - na) / (pb - pa)) if na and pb > pa else 0
             guess = max(line, 2 * lo - (na if sides[-1:] == [True] and na else 0), lo + 1)
             whole = -(-wholes[lo] // step)
             guess = min(guess, whole) if whole > lo else guess
-        elif lo in peaks and peaks[hi] > peaks[lo] and not plateau and sides[-2:] not in ([True, True], [False, False]):
-            guess = lo + int((gpu_memory - peaks[lo]) * (hi - lo) / (peaks[hi] - peaks[lo]))  # the bracket's line
+        elif (lo in peaks and peaks[hi] > peaks[lo] and not plateau
+              and sides[-2:] not in ([True, True], [False, False])):
+            # the bracket's line
+            guess = lo + int((gpu_memory - peaks[lo]) * (hi - lo) / (peaks[hi] - peaks[lo]))
         else:  # bisection: no line yet, or it missed (a staircase: whole sequences per micro-batch)
             guess = (lo + hi) // 2
         guess = max(lo + 1, guess if hi is None else min(guess, hi - 1))
         peaks[guess], fits, wholes[guess] = plan_at(guess)
-        plateau = fits and peaks[guess] == peaks.get(lo)  # the line fell short on lo's stair: it cannot see its end
+        # the line fell short on lo's stair: it cannot see its end
+        plateau = fits and peaks[guess] == peaks.get(lo)
         sides.append(fits)
         lo, hi = (guess, hi) if fits else (lo, guess)
     return (lo * step if lo >= floor else 0), False
@@ -98,49 +123,58 @@ def progress(line):
 def table(f, seconds):
     state = sum(f["by_category_gib"][k] for k in ("parameters", "gradients", "optimizer"))
     most, least = f["max_microbatch_tokens"], f["least_microbatch_tokens"]
-    planned = f"planned at {f['microbatch_tokens']:,}" + (  # absent data: its sequences only as long as the budget
+    # absent data: its sequences only as long as the budget
+    planned = f"planned at {f['microbatch_tokens']:,}" + (
         f", under the {least:,} a max_len example needs" if f["microbatch_tokens"] < least else "")
     largest = f"largest microbatch_tokens that fits: {most:,} ({planned})"
     if f["any_larger_fits"]:
         largest = (f"largest microbatch_tokens that fits: {most:,} or any larger ({planned}): from "
                    f"{most:,} on a rank's whole step is one micro-batch")
     elif not most and state + f["by_category_gib"].get("allowance", 0) >= f["gpu_memory_gib"]:
-        largest += (f": none, the parameters, gradients and optimizer state alone take {state:.2f} GiB a GPU (FSDP2 "
-                    f"shards them over more GPUs; LoRA trains adapters only)")
+        largest += (f": none, the parameters, gradients and optimizer state alone take {state:.2f} "
+                    "GiB a GPU (FSDP2 shards them over more GPUs; LoRA trains adapters only)")
     elif not most:
-        largest += (f": none at a budget that holds the longest example ({f['least_microbatch_tokens']:,} tokens a "
-                    f"micro-batch); a shorter --max_len, --context_parallel over GPUs, activation_checkpointing or "
-                    f"LoRA hold less")
-    rows = [f"{'category':<12} {'GiB':>8}"] + [f"{k:<12} {v:8.2f}" for k, v in f["by_category_gib"].items()]
-    rows += [f"{'peak':<12} {f['peak_gib']:8.2f}  in {f['peak_phase']}, of {f['gpu_memory_gib']:g} GiB: "
-             f"{'fits' if f['fits'] else 'does NOT fit'}", largest,
-             *(["generation's KV cache grows with prompts_per_step / GPUs x k x (prompt + max_new_tokens), not with "
-                "microbatch_tokens"] if f["peak_phase"] == "generation" else []),
+        largest += (": none at a budget that holds the longest example "
+                    f"({f['least_microbatch_tokens']:,} tokens a micro-batch); a shorter "
+                    "--max_len, --context_parallel over GPUs, activation_checkpointing or LoRA "
+                    "hold less")
+    rows = [f"{'category':<12} {'GiB':>8}"] + [f"{k:<12} {v:8.2f}"
+                                               for k, v in f["by_category_gib"].items()]
+    rows += [f"{'peak':<12} {f['peak_gib']:8.2f}  in {f['peak_phase']}, of {f['gpu_memory_gib']:g} "
+             f"GiB: {'fits' if f['fits'] else 'does NOT fit'}", largest,
+             *(["generation's KV cache grows with prompts_per_step / GPUs x k x (prompt + "
+                "max_new_tokens), not with microbatch_tokens"] if f["peak_phase"] == "generation"
+               else []),
              f"per step: {f['tokens_per_step']:,} tokens, {f['flops_per_step']:.3e} model FLOPs | "
              f"world size {f['world_size']} | planned in {seconds:.1f}s"]
     return "\n".join(rows)
 
 
 def options(argv):
-    """-> (script, plan.py's options, the script's arguments), each option checked before a plan starts."""
+    """-> (script, plan.py's options, the script's arguments), each option checked before a plan
+    starts."""
     if {"-h", "--help"} & set(argv):
         print(__doc__.strip())
-        if argv[0].endswith(".py") and os.path.isfile(argv[0]) and config_keys(argv[0]):  # and the script's keys
+        # and the script's keys
+        if argv[0].endswith(".py") and os.path.isfile(argv[0]) and config_keys(argv[0]):
             print()
             with mock.patch.object(sys, "argv", [argv[0], "--help"]):
-                runpy.run_path(argv[0], run_name="__main__")  # its configure prints them and exits 0
+                # its configure prints them and exits 0
+                runpy.run_path(argv[0], run_name="__main__")
         raise SystemExit(0)
     if not argv or not argv[0].endswith(".py") or not os.path.isfile(argv[0]):
-        raise SystemExit("usage: python plan.py train_sft.py [config.py] [--gpus=8] [--gpu_memory=80] "
-                         "[--json=plan.json] [--device=cuda|cpu] [--key=value ...]; --help tells more")
+        raise SystemExit("usage: python plan.py train_sft.py [config.py] [--gpus=8] "
+                         "[--gpu_memory=80] [--json=plan.json] [--device=cuda|cpu] [--key=value "
+                         "...]; --help tells more")
     script, opts, args = argv[0], dict(PLAN_KEYS), []
     keys = config_keys(script)
     for a in argv[1:]:
         key, eq, value = a[2:].partition("=")
         if not a.startswith("--") or key not in PLAN_KEYS:
             if a.startswith("--") and key not in keys:
-                raise SystemExit(f"config error: argument {a!r}: unknown key {key!r}; plan.py's own are --"
-                                 f"{', --'.join(PLAN_KEYS)}, and `python {script} --help` lists the script's")
+                raise SystemExit(f"config error: argument {a!r}: unknown key {key!r}; plan.py's "
+                                 f"own are --{', --'.join(PLAN_KEYS)}, and `python {script} "
+                                 "--help` lists the script's")
             args.append(a)
             continue
         need = option_error(key, value) if eq else f"write it --{key}=value"
@@ -153,15 +187,22 @@ def options(argv):
 def option_error(key, value):
     """What is wrong with plan.py's own --key=value ('': nothing)."""
     if key == "gpus":
-        return "" if value.isdigit() and int(value) >= 1 else "the number of GPUs planned, a whole number, at least 1"
+        if value.isdigit() and int(value) >= 1:
+            return ""
+        return "the number of GPUs planned, a whole number, at least 1"
     if key == "gpu_memory":
         try:
-            return "" if 0 < float(value) < math.inf else "GiB per GPU, a number above 0 (80 for an H100)"
+            if 0 < float(value) < math.inf:
+                return ""
+            return "GiB per GPU, a number above 0 (80 for an H100)"
         except ValueError:
             return "GiB per GPU, a number above 0 (80 for an H100)"
     if key == "device":
-        return "" if value in ("cuda", "cpu") else "'cuda' (a GPU run, bfloat16) or 'cpu' (the script's CPU run)"
-    folder = os.path.dirname(os.path.abspath(value))  # --json: written after the plan, so checked before it
+        if value in ("cuda", "cpu"):
+            return ""
+        return "'cuda' (a GPU run, bfloat16) or 'cpu' (the script's CPU run)"
+    # --json: written after the plan, so checked before it
+    folder = os.path.dirname(os.path.abspath(value))
     if not value or os.path.isdir(value):
         return "a file to write the figures to, such as plan.json"
     if not os.path.isdir(folder):
@@ -173,17 +214,18 @@ def main(argv):
     t0 = time.perf_counter()
     script, opts, args = options(argv)
     plan_args = (script, args, opts["gpus"], opts["gpu_memory"], opts["device"])
-    progress(f"plan: {script} on {opts['gpus']} x {opts['gpu_memory']:g} GiB ({opts['device']}), two steps on fake "
-             f"tensors")
+    progress(f"plan: {script} on {opts['gpus']} x {opts['gpu_memory']:g} GiB ({opts['device']}), "
+             "two steps on fake tensors")
     f = figures(*plan_args)
     f["max_microbatch_tokens"], f["any_larger_fits"] = max_microbatch_tokens(*plan_args, f)
     f["seconds"] = time.perf_counter() - t0
     print(table(f, f["seconds"]))
     if opts["json"]:
         with open(opts["json"], "w") as out:
-            json.dump({k: f[k] for k in ("world_size", "gpu_memory_gib", "peak_gib", "peak_phase", "fits",
-                                         "max_microbatch_tokens", "any_larger_fits", "by_category_gib",
-                                         "tokens_per_step", "flops_per_step", "seconds")}, out, indent=1)
+            keys = ("world_size", "gpu_memory_gib", "peak_gib", "peak_phase", "fits",
+                    "max_microbatch_tokens", "any_larger_fits", "by_category_gib",
+                    "tokens_per_step", "flops_per_step", "seconds")
+            json.dump({k: f[k] for k in keys}, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -51,20 +51,24 @@ if __name__ == "__main__":
     device = "cuda" if torch.cuda.is_available() else "cpu"
     configure(globals())
     for key, ok in (("max_new_tokens", max_new_tokens >= 1), ("num_samples", num_samples >= 1),
-                    ("temperature", temperature >= 0), ("top_k", top_k >= 0), ("top_p", 0 < top_p <= 1),
-                    ("device", device == "cpu" or (device.startswith("cuda") and torch.cuda.is_available()))):
+                    ("temperature", temperature >= 0), ("top_k", top_k >= 0),
+                    ("top_p", 0 < top_p <= 1),
+                    ("device", device == "cpu"
+                     or (device.startswith("cuda") and torch.cuda.is_available()))):
         if not ok:
-            sys.exit(f"sample.py: {key}={globals()[key]!r} is not usable (max_new_tokens, num_samples >= 1; "
-                     f"temperature, top_k >= 0; 0 < top_p <= 1; device 'cpu', or 'cuda' on a machine with a GPU)")
+            sys.exit(f"sample.py: {key}={globals()[key]!r} is not usable (max_new_tokens, "
+                     "num_samples >= 1; temperature, top_k >= 0; 0 < top_p <= 1; device 'cpu', or "
+                     "'cuda' on a machine with a GPU)")
     if os.path.isdir(model) and not os.path.exists(os.path.join(model, "config.json")):
-        sys.exit(f"sample.py: {model} has no config.json; pass a Hugging Face folder (a run's out_dir/hf) "
-                 f"or a run's out_dir/ckpt.pt")
+        sys.exit(f"sample.py: {model} has no config.json; pass a Hugging Face folder (a run's "
+                 "out_dir/hf) or a run's out_dir/ckpt.pt")
 
     torch.manual_seed(seed)
     try:
         net, tok = load_model(model, device)
         tok = (get_tokenizer(tokenizer) if tokenizer else tok).configure_chat(chat_template_kwargs)
-    except (ValueError, OSError, RuntimeError, KeyError) as e:  # a folder or file we cannot read: one line
+    except (ValueError, OSError, RuntimeError, KeyError) as e:
+        # a folder or file we cannot read: one line
         sys.exit(f"sample.py: cannot load {model}: {e}")
     net.eval()
     messages = [{"role": "system", "content": system}] if system else []
@@ -76,9 +80,10 @@ if __name__ == "__main__":
         except ValueError as e:
             return e
 
-    if why := refusal(messages):  # one line, before any chat: Gemma's template refuses a system role
-        sys.exit(f"sample.py: the chat template has no system role ({why}); drop --system, or put it in the "
-                 f"prompt" if system and not refusal([]) else f"sample.py: {why}")
+    # one line, before any chat: Gemma's template refuses a system role
+    if why := refusal(messages):
+        sys.exit(f"sample.py: the chat template has no system role ({why}); drop --system, or put "
+                 "it in the prompt" if system and not refusal([]) else f"sample.py: {why}")
     positions = net.config.max_seq_len  # prompt + reply: generate() stops a reply there
 
     def reply(messages):
@@ -86,15 +91,19 @@ if __name__ == "__main__":
         ids = tok.render_prompt(messages)
         outs = generate(net, [ids], max_new_tokens, stop_ids=tok.stop_ids, num_samples=num_samples,
                         temperature=temperature, top_k=top_k or None, top_p=top_p)
-        return [(tok.decode_reply(out), len(ids) + len(out) == positions and out[-1] not in tok.stop_ids)
+        return [(tok.decode_reply(out),
+                 len(ids) + len(out) == positions and out[-1] not in tok.stop_ids)
                 for out in outs]
 
     def show(text, cut):
-        print(text + f"\n(cut: prompt and reply reached the model's max_seq_len={positions} tokens)" * cut)
+        note = f"\n(cut: prompt and reply reached the model's max_seq_len={positions} tokens)"
+        print(text + note * cut)
 
     def too_long(messages):
         n = len(tok.render_prompt(messages))
-        return f"the prompt is {n} tokens and {model} reads at most max_seq_len={positions}" if n >= positions else ""
+        if n < positions:
+            return ""
+        return f"the prompt is {n} tokens and {model} reads at most max_seq_len={positions}"
 
     if prompt:
         messages.append({"role": "user", "content": prompt})
@@ -111,7 +120,8 @@ if __name__ == "__main__":
             except EOFError:  # Ctrl-D, or the end of piped input
                 return ""
 
-        first = len(messages)  # the oldest turn after the system prompt: dropped first when the chat outgrows the model
+        # the oldest turn after the system prompt: dropped first when the chat outgrows the model
+        first = len(messages)
         while (line := read_line()):
             turn = {"role": "user", "content": line}
             if why := too_long(messages[:first] + [turn]):
@@ -119,12 +129,14 @@ if __name__ == "__main__":
                 continue
             messages.append(turn)
             dropped = 0
-            while len(messages) > first + 1 and len(tok.render_prompt(messages)) + max_new_tokens > positions:
+            while (len(messages) > first + 1
+                   and len(tok.render_prompt(messages)) + max_new_tokens > positions):
                 del messages[first:first + 2]  # a user turn and its reply
                 dropped += 1
             if dropped:
-                print(f"(the model no longer sees the {dropped} oldest turn(s): prompt and reply must fit its "
-                      f"max_seq_len={positions}, with room for max_new_tokens={max_new_tokens})")
+                print(f"(the model no longer sees the {dropped} oldest turn(s): prompt and reply "
+                      f"must fit its max_seq_len={positions}, with room for "
+                      f"max_new_tokens={max_new_tokens})")
             text, cut = reply(messages)[0]
             show(text, cut)
             messages.append({"role": "assistant", "content": text})

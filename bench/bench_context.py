@@ -27,7 +27,6 @@ import statistics
 import subprocess
 import sys
 import time
-from dataclasses import replace
 
 import numpy as np
 import torch
@@ -73,7 +72,7 @@ def balance(mb, cp):
 
 
 def balance_table(tokens):
-    print(f"\n### Attention work per rank: busiest / mean (1.00 = balanced)\n")
+    print("\n### Attention work per rank: busiest / mean (1.00 = balanced)\n")
     print("| stream | sequences | cp | padding rows | head-tail (context.py) | contiguous slices |")
     print("|---|---|---|---|---|---|")
     long_mix, short_mix = mixed_streams(4 * tokens)

@@ -1,6 +1,6 @@
 """
-The built-in dataset: short arithmetic chats, generated deterministically, so that `python train_sft.py` and
-`python train_dpo.py` run offline with nothing to download.
+The built-in dataset: short arithmetic chats, generated deterministically, so that
+`python train_sft.py` and `python train_dpo.py` run offline with nothing to download.
 
     system:    Be concise.                      (in about 1 conversation out of 3)
     user:      What is 23+17?
@@ -8,13 +8,15 @@ The built-in dataset: short arithmetic chats, generated deterministically, so th
     user:      Now subtract 9 from that.        (follow-ups reuse the previous answer)
     assistant: Sure! 40-9 = 31                  (the "chatty" style: a filler word first)
 
-1 to 4 turns, several phrasings. A hash of its text puts each conversation in train or val; both draw on one finite
-table of facts, so held-out accuracy measures the chat task, not arithmetic on unseen numbers. SFT mixes the styles
-at random: which to prefer is left to preference tuning. DPO: chosen, the right answer plain; rejected, in 3 pairs of
-4 the right answer chatty, else a plausible wrong answer plain (so moving towards the style is not away from being
-right). evaluate(): greedy val replies' exact-match accuracy (score()) and share of plain replies (preferred()).
-RL: rl_prompts(), chats cut before their last answer, which reward() checks; hard=True keeps those whose last question
-adds to or subtracts from the previous answer (the SFT model is ~60% right there against ~83% overall).
+1 to 4 turns, several phrasings. A hash of its text puts each conversation in train or val; both
+draw on one finite table of facts, so held-out accuracy measures the chat task, not arithmetic on
+unseen numbers. SFT mixes the styles at random: which to prefer is left to preference tuning. DPO:
+chosen, the right answer plain; rejected, in 3 pairs of 4 the right answer chatty, else a plausible
+wrong answer plain (so moving towards the style is not away from being right). evaluate(): greedy
+val replies' exact-match accuracy (score()) and share of plain replies (preferred()). RL:
+rl_prompts(), chats cut before their last answer, which reward() checks; hard=True keeps those whose
+last question adds to or subtracts from the previous answer (the SFT model is ~60% right there
+against ~83% overall).
 
     python data/arithmetic.py    # print a few examples
 """
@@ -28,7 +30,8 @@ import zlib
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # python data/arithmetic.py
+# python data/arithmetic.py
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from data.prepare import read_meta, write_token_files  # noqa: E402
 from nanopack.generate import generate  # noqa: E402
 from nanopack.tokenizer import get_tokenizer  # noqa: E402
@@ -47,7 +50,8 @@ FOLLOW_UPS = {"+": ["Now add {b} to that.", "And plus {b}?"],
               "-": ["Now subtract {b} from that.", "Then take away {b}."],
               "*": ["Now multiply that by {b}.", "And times {b}?"]}
 STYLES = ("plain", "chatty")  # how an answer is written: "23+17 = 40" or "Sure! 23+17 = 40"
-SYSTEMS = ["You are a calculator. Reply with the equation and its result.", "You are a helpful math tutor.",
+SYSTEMS = ["You are a calculator. Reply with the equation and its result.",
+           "You are a helpful math tutor.",
            "Answer arithmetic questions briefly.", "Be concise."]
 
 
@@ -56,7 +60,8 @@ def is_val(messages):
 
 
 def draw_problem(rng, prev):
-    """-> (a, op, b, follow_up). The ranges at the top keep the table small enough for the toy model to learn."""
+    """-> (a, op, b, follow_up). The ranges at the top keep the table small enough for the toy model
+    to learn."""
     op = rng.choice("+-*")
     follow_up = prev is not None and rng.random() < 0.4 and (op != "*" or prev <= MAX_FOLLOW_MUL)
     if follow_up:
@@ -71,7 +76,8 @@ def draw_problem(rng, prev):
 
 
 def conversation(rng):
-    """-> (messages, problems): a chat ending in an assistant answer, and its (a, op, b, follow_up) per turn."""
+    """-> (messages, problems): a chat ending in an assistant answer, and its (a, op, b, follow_up)
+    per turn."""
     messages = [dict(role="system", content=rng.choice(SYSTEMS))] if rng.random() < 0.3 else []
     problems, prev = [], None
     for _ in range(rng.randint(1, 4)):
@@ -89,19 +95,21 @@ def answer(a, op, b, result, style):
 
 
 def preferred(reply):
-    """The preferred behaviour: the reply is the plain equation, no filler (whether or not its result is right)."""
+    """The preferred behaviour: the reply is the plain equation, no filler (whether or not its
+    result is right)."""
     return re.fullmatch(r"\s*\d+\s*[-+*]\s*\d+\s*=\s*-?\d+\s*", reply) is not None
 
 
 def conversations(split, n, seed=0, hard=False):
-    """The first n conversations of `split` from one seeded stream (~1 in 10 goes to val); hard: those whose last
-    question is a follow-up + or -."""
+    """The first n conversations of `split` from one seeded stream (~1 in 10 goes to val); hard:
+    those whose last question is a follow-up + or -."""
     assert split in ("train", "val")
     rng = random.Random(f"{VERSION}-{seed}")  # str seeds are hashed stably across runs
     made = 0
     while made < n:
         messages, problems = conversation(rng)
-        if is_val(messages) == (split == "val") and (not hard or problems[-1][3] and problems[-1][1] != "*"):
+        if is_val(messages) == (split == "val") and (not hard or problems[-1][3]
+                                                     and problems[-1][1] != "*"):
             made += 1
             yield messages, problems
 
@@ -132,58 +140,69 @@ def dpo_examples(split, n, seed=0):
 
 
 def rl_prompts(split, n, seed=0, hard=False):
-    """Yields (prompt messages, answer): the first n conversations of `split`, cut before their last assistant turn."""
+    """Yields (prompt messages, answer): the first n conversations of `split`, cut before their last
+    assistant turn."""
     for messages, (*_, (a, op, b, _)) in conversations(split, n, seed, hard):
         yield messages[:-1], OPS[op](a, b)
 
 
 def val_problems(n=200, seed=0, hard=False):
-    """-> [(prompt messages, answer)]: the first n val conversations, cut before their last answer."""
+    """-> [(prompt messages, answer)]: the first n val conversations, cut before their last
+    answer."""
     return list(rl_prompts("val", n, seed, hard))
 
 
 def score(answer, reply):
-    """Exact match: the first number after the reply's last '=' (or in the reply, if none) is the answer."""
+    """Exact match: the first number after the reply's last '=' (or in the reply, if none) is the
+    answer."""
     numbers = re.findall(r"-?\d+", reply.rsplit("=", 1)[-1])
     return bool(numbers) and int(numbers[0]) == answer
 
 
 def reward(prompt, reply, answer):
-    """RL (train_rl.py's default reward): 1.0 if the reply's answer is exactly `answer` (score()), else 0.0."""
+    """RL (train_rl.py's default reward): 1.0 if the reply's answer is exactly `answer` (score()),
+    else 0.0."""
     return float(score(answer, reply))
 
 
 @torch.no_grad()
 def evaluate(model, tok, n, autocast, sync_ranks):
-    """The first n val prompts answered greedily, split over ranks -> dict(val_accuracy, val_preferred) on every rank.
-    model: the network itself (FSDP2 modules gather their shards when called); sync_ranks: FSDP."""
+    """The first n val prompts answered greedily, split over ranks -> dict(val_accuracy,
+    val_preferred) on every rank. model: the network itself (FSDP2 modules gather their shards when
+    called); sync_ranks: FSDP."""
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
     problems = val_problems(n)[rank::world_size]
     with autocast:
         replies = generate(model, [tok.render_prompt(p) for p, _ in problems], max_new_tokens=16,
                            stop_ids=tok.stop_ids, sync_ranks=sync_ranks)
     texts = [tok.decode_reply(r) for r in replies]
-    counts = torch.tensor([sum(score(ans, t) for (_, ans), t in zip(problems, texts)), sum(map(preferred, texts)),
-                           len(problems)], dtype=torch.float64, device=next(model.parameters()).device)
+    correct = sum(score(ans, t) for (_, ans), t in zip(problems, texts))
+    counts = torch.tensor([correct, sum(map(preferred, texts)), len(problems)],
+                          dtype=torch.float64, device=next(model.parameters()).device)
     if dist.is_initialized():
         dist.all_reduce(counts)
-    return dict(val_accuracy=(counts[0] / counts[2]).item(), val_preferred=(counts[1] / counts[2]).item())
+    return dict(val_accuracy=(counts[0] / counts[2]).item(),
+                val_preferred=(counts[1] / counts[2]).item())
 
 
-def prepare_builtin(out_dir, tokenizer="byte", kind="sft", n_train=20_000, n_val=500, seed=0, verbose=True):
-    """The dataset as token files in out_dir (see data/prepare.py), unless there for the same settings -> meta.
-    tokenizer: a Tokenizer, "byte" or a model folder."""
+def prepare_builtin(out_dir, tokenizer="byte", kind="sft", n_train=20_000, n_val=500, seed=0,
+                    verbose=True):
+    """The dataset as token files in out_dir (see data/prepare.py), unless there for the same
+    settings -> meta. tokenizer: a Tokenizer, "byte" or a model folder."""
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     settings = dict(source=f"{VERSION}-{kind}", n_train=n_train, n_val=n_val, seed=seed)
     if os.path.exists(os.path.join(out_dir, "meta.json")):
         meta = read_meta(out_dir)
-        if all(meta.get(k) == v for k, v in dict(settings, tokenizer=tok.name, template=tok.template_id).items()):
+        if all(meta.get(k) == v
+               for k, v in dict(settings, tokenizer=tok.name, template=tok.template_id).items()):
             return meta
     make = dict(sft=sft_examples, dpo=dpo_examples)[kind]
-    items = ((f"{VERSION}:{split}:{i}", split, record)  # (where, split, record), as prepare.py reads them
+    # (where, split, record), as prepare.py reads them
+    items = ((f"{VERSION}:{split}:{i}", split, record)
              for split, n in (("train", n_train), ("val", n_val))
              for i, record in enumerate(make(split, n, seed)))
-    return write_token_files(items, out_dir, tok, max_len=4096, extra_meta=settings, verbose=verbose)
+    return write_token_files(items, out_dir, tok, max_len=4096, extra_meta=settings,
+                             verbose=verbose)
 
 
 if __name__ == "__main__":

@@ -1,8 +1,10 @@
 """
 The fast paths, each tested against a reference (tests/test_rope.py, tests/test_model.py):
-  rope_fused             Q and K rotated by one Triton launch; the eager reference is model.rope_reference
+  rope_fused             Q and K rotated by one Triton launch; the eager reference is
+                         model.rope_reference
   chunked_cross_entropy  the LM head + loss over chunks of tokens: the (T, vocab) logits never exist
-  chunked_logprobs       the same for per-token log-probs (DPO), the backward recomputing each chunk
+  chunked_logprobs       the same for per-token log-probs (DPO), the backward recomputing each
+                         chunk
 """
 import os
 
@@ -25,14 +27,16 @@ if HAS_TRITON:
     @triton.jit
     def _rotate_tile(x_ptr, out_ptr, stride_t, stride_h, n_head, tok, cos, sin,
                      H_PAD: tl.constexpr, HALF: tl.constexpr):
-        # tok: (BLOCK_T,) int64 token indices (-1 where past T); cos, sin: (BLOCK_T, 1, HALF) float32
+        # tok: (BLOCK_T,) int64 token indices (-1 where past T); cos, sin: (BLOCK_T, 1, HALF)
+        # float32
         h = tl.arange(0, H_PAD)[None, :, None]
         d = tl.arange(0, HALF)[None, None, :]
         mask = (tok[:, None, None] >= 0) & (h < n_head)  # (BLOCK_T, H_PAD, 1), broadcast over d
         x1_ptrs = x_ptr + tok[:, None, None] * stride_t + h * stride_h + d  # last dim is contiguous
         x1 = tl.load(x1_ptrs, mask=mask, other=0.0).to(tl.float32)
         x2 = tl.load(x1_ptrs + HALF, mask=mask, other=0.0).to(tl.float32)
-        o1_ptrs = out_ptr + tok[:, None, None] * (n_head * 2 * HALF) + h * (2 * HALF) + d  # out is contiguous
+        # out is contiguous
+        o1_ptrs = out_ptr + tok[:, None, None] * (n_head * 2 * HALF) + h * (2 * HALF) + d
         tl.store(o1_ptrs, (x1 * cos - x2 * sin).to(out_ptr.dtype.element_ty), mask=mask)
         tl.store(o1_ptrs + HALF, (x2 * cos + x1 * sin).to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -44,16 +48,22 @@ if HAS_TRITON:
         # int64 token index: T * stride of a fused qkv buffer can pass 2**31 at long packed lengths
         tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         tok = tl.where(tok < T, tok, -1)
-        pos = tl.load(pos_ptr + tok, mask=tok >= 0, other=0)  # (BLOCK_T,) packed positions restart at 0
+        # (BLOCK_T,) packed positions restart at 0
+        pos = tl.load(pos_ptr + tok, mask=tok >= 0, other=0)
         d = tl.arange(0, HALF)[None, None, :]
-        cos = tl.load(cos_ptr + pos[:, None, None] * HALF + d)  # (BLOCK_T, 1, HALF), read once for q and k
+        # (BLOCK_T, 1, HALF), read once for q and k
+        cos = tl.load(cos_ptr + pos[:, None, None] * HALF + d)
         sin = tl.load(sin_ptr + pos[:, None, None] * HALF + d)
-        if INVERSE:  # backward: the rotation is orthogonal, so its transpose is the rotation by -angle
+        # backward: the rotation is orthogonal, so its transpose is the rotation by -angle
+        if INVERSE:
             sin = -sin
-        _rotate_tile(q_ptr, q_out_ptr, q_stride_t, q_stride_h, n_q_head, tok, cos, sin, HQ_PAD, HALF)
-        _rotate_tile(k_ptr, k_out_ptr, k_stride_t, k_stride_h, n_kv_head, tok, cos, sin, HKV_PAD, HALF)
+        _rotate_tile(q_ptr, q_out_ptr, q_stride_t, q_stride_h, n_q_head, tok, cos, sin, HQ_PAD,
+                     HALF)
+        _rotate_tile(k_ptr, k_out_ptr, k_stride_t, k_stride_h, n_kv_head, tok, cos, sin, HKV_PAD,
+                     HALF)
 
-    # a custom op stays in a torch.compile(dynamic=True) graph with a symbolic T; triton_op fails under TRITON_INTERPRET
+    # a custom op stays in a torch.compile(dynamic=True) graph with a symbolic T; triton_op fails
+    # under TRITON_INTERPRET
     @torch.library.custom_op("nanopack::rope", mutates_args=())
     def _rope_op(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                  position_ids: torch.Tensor, inverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -62,16 +72,19 @@ if HAS_TRITON:
         # strides go to the kernel: q/k slices of a fused qkv projection are read in place
         q = q if q.stride(-1) == 1 else q.contiguous()
         k = k if k.stride(-1) == 1 else k.contiguous()
-        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # outputs contiguous: (T, Hq, D)
+        # outputs contiguous: (T, Hq, D)
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
         k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-        # One program = BLOCK_T tokens x all heads of q and k, so each (cos, sin) row is loaded once; ~2048
-        # elements per half-tile keeps registers low at num_warps=4 and gives T/BLOCK_T programs to fill the SMs.
+        # One program = BLOCK_T tokens x all heads of q and k, so each (cos, sin) row is loaded
+        # once; ~2048 elements per half-tile keeps registers low at num_warps=4 and gives T/BLOCK_T
+        # programs to fill the SMs.
         hq_pad = triton.next_power_of_2(n_q_head)
         block_t = max(1, 2048 // (hq_pad * (D // 2)))
         grid = (triton.cdiv(T, block_t),)
         _rope_kernel[grid](q, k, q_out, k_out, cos, sin, position_ids, T,
                            q.stride(0), q.stride(1), k.stride(0), k.stride(1), n_q_head, n_kv_head,
-                           BLOCK_T=block_t, HQ_PAD=hq_pad, HKV_PAD=triton.next_power_of_2(n_kv_head),
+                           BLOCK_T=block_t, HQ_PAD=hq_pad,
+                           HKV_PAD=triton.next_power_of_2(n_kv_head),
                            HALF=D // 2, INVERSE=inverse)
         return q_out, k_out
 
@@ -84,33 +97,40 @@ if HAS_TRITON:
 
     def _rope_backward(ctx, grad_q, grad_k):
         grad_q, grad_k = _rope_op(grad_q, grad_k, *ctx.saved_tensors, True)
-        return grad_q, grad_k, None, None, None, None  # cos/sin are fixed buffers, positions are ints
+        # cos/sin are fixed buffers, positions are ints
+        return grad_q, grad_k, None, None, None, None
 
     _rope_op.register_autograd(_rope_backward, setup_context=_rope_setup_context)
 
 
-def rope_fits(head_dim):  # tl.arange spans half the head dim: a power of two; >= 16 is what the tests cover
+# tl.arange spans half the head dim: a power of two; >= 16 is what the tests cover
+def rope_fits(head_dim):
     return head_dim >= 16 and not head_dim & (head_dim - 1)
 
 
 def rope_fused(q, k, cos, sin, position_ids):
-    """model.rope_reference's contract, as one Triton launch for Q and K together (backward: one more)."""
+    """model.rope_reference's contract, as one Triton launch for Q and K together (backward: one
+    more)."""
     if not HAS_TRITON:
-        raise RuntimeError("rope_fused needs triton (pip install triton); use rope_reference instead")
+        raise RuntimeError("rope_fused needs triton (pip install triton); use rope_reference "
+                           "instead")
     D = q.shape[-1]
     if not rope_fits(D) or k.shape[-1] != D or k.shape[0] != q.shape[0]:
-        raise ValueError(f"rope_fused needs q (T, Hq, D), k (T, Hkv, D) with D a power of two >= 16, "
-                         f"got q {tuple(q.shape)}, k {tuple(k.shape)}")
+        raise ValueError("rope_fused needs q (T, Hq, D), k (T, Hkv, D) with D a power of two >= "
+                         f"16, got q {tuple(q.shape)}, k {tuple(k.shape)}")
     cos, sin = cos.float().contiguous(), sin.float().contiguous()  # no-ops for the model's tables
     return _rope_op(q, k, cos, sin, position_ids.contiguous(), False)
 
 
-# a chunk's two (chunk, vocab) float32 buffers: 2048 x 128k x 4 bytes = 1 GiB each, and still a large matmul
+# a chunk's two (chunk, vocab) float32 buffers: 2048 x 128k x 4 bytes = 1 GiB each, and still a
+# large matmul
 LOSS_CHUNK = 2048
 
 
 def _compute_dtype(h):
-    return torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    if torch.is_autocast_enabled(h.device.type):
+        return torch.get_autocast_dtype(h.device.type)
+    return h.dtype
 
 
 def _chunk_logprobs(h, w, targets, vocab_size, temperature=1.0):
@@ -119,13 +139,14 @@ def _chunk_logprobs(h, w, targets, vocab_size, temperature=1.0):
     logits = (h @ w.t()).float()[:, :vocab_size]
     if temperature != 1.0:
         logits.div_(temperature)
-    logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))  # in place: one (C, V) buffer, not two
+    # in place: one (C, V) buffer, not two
+    logp = logits.sub_(torch.logsumexp(logits, dim=-1, keepdim=True))
     return logp, logp.gather(1, targets[:, None]).squeeze(1)
 
 
 def _chunk_grads(logp, h, w, targets, scale, dtype, need_w):
-    """Gradients of -sum_t scale_t * log p_t over one chunk, consuming logp: d/dlogits = softmax - onehot.
-    -> (grad_h (C, d) in dtype, grad_w (V, d) float32, None for a frozen head: LoRA's)."""
+    """Gradients of -sum_t scale_t * log p_t over one chunk, consuming logp: d/dlogits = softmax -
+    onehot. -> (grad_h (C, d) in dtype, grad_w (V, d) float32, None for a frozen head: LoRA's)."""
     g = logp.exp_()
     g[torch.arange(len(targets), device=g.device), targets] -= 1.0
     if scale is not None:
@@ -135,16 +156,19 @@ def _chunk_grads(logp, h, w, targets, scale, dtype, need_w):
 
 
 def _select(h, w, targets, dtype):
-    # positions without a target skip the head entirely (e.g. prompt tokens in SFT), found on the host (a sync, as
-    # nonzero's size is): from the targets as they are, so that fake parameters (plan.py) still give a real index
-    idx = torch.tensor(np.flatnonzero(np.array(targets.tolist()) != IGNORE_INDEX), device=targets.device)
+    # positions without a target skip the head entirely (e.g. prompt tokens in SFT), found on the
+    # host (a sync, as nonzero's size is): from the targets as they are, so that fake parameters
+    # (plan.py) still give a real index
+    idx = torch.tensor(np.flatnonzero(np.array(targets.tolist()) != IGNORE_INDEX),
+                       device=targets.device)
     return idx, h.index_select(0, idx).to(dtype), w.to(dtype), targets.index_select(0, idx)
 
 
 def _loss_and_grads(h, w, targets, vocab_size, scales, dtype, need_grad, need_w=True,
                     temperature=1.0):
-    """-sum_t scale_t * log p(target_t) (scales (T,) or None: all 1) chunk by chunk, with its gradients if need_grad
-    -> (loss float32, grad_h like h, grad_w float32), the gradients None without need_grad (grad_w: need_w)."""
+    """-sum_t scale_t * log p(target_t) (scales (T,) or None: all 1) chunk by chunk, with its
+    gradients if need_grad -> (loss float32, grad_h like h, grad_w float32), the gradients None
+    without need_grad (grad_w: need_w)."""
     # p at a temperature: the caller divides scales by it (the chain rule's factor)
     idx, hs, wc, ts = _select(h, w, targets, dtype)
     scales = None if scales is None else scales.index_select(0, idx).float()
@@ -167,13 +191,15 @@ def _loss_and_grads(h, w, targets, vocab_size, scales, dtype, need_grad, need_w=
 
 
 class ChunkedCrossEntropy(torch.autograd.Function):
-    """sum_t weight_t * CE(h_t @ W^T, target_t), its gradients computed in the forward (3 matmuls a chunk, not 4)."""
+    """sum_t weight_t * CE(h_t @ W^T, target_t), its gradients computed in the forward (3 matmuls a
+    chunk, not 4)."""
 
     @staticmethod
     def forward(ctx, h, w, targets, vocab_size, weights, need_grad):
         dtype = _compute_dtype(h)  # read before autocast is switched off
         with torch.autocast(h.device.type, enabled=False):
-            loss, grad_h, grad_w = _loss_and_grads(h, w, targets, vocab_size, weights, dtype, need_grad,
+            loss, grad_h, grad_w = _loss_and_grads(h, w, targets, vocab_size, weights, dtype,
+                                                   need_grad,
                                                    w.requires_grad)
         if need_grad:
             ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(w.dtype))
@@ -182,7 +208,8 @@ class ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         grad_h, grad_w = ctx.saved_tensors
-        return grad_h * grad_loss, None if grad_w is None else grad_w * grad_loss, None, None, None, None
+        grad_w = None if grad_w is None else grad_w * grad_loss
+        return grad_h * grad_loss, grad_w, None, None, None, None
 
 
 class ChunkedLogprobs(torch.autograd.Function):
@@ -196,7 +223,8 @@ class ChunkedLogprobs(torch.autograd.Function):
             idx, hs, wc, ts = _select(h, w, targets, dtype)
             out = torch.zeros(h.shape[0], device=h.device, dtype=torch.float32)
             for s in range(0, hs.shape[0], LOSS_CHUNK):
-                out[idx[s:s + LOSS_CHUNK]] = _chunk_logprobs(hs[s:s + LOSS_CHUNK], wc, ts[s:s + LOSS_CHUNK],
+                out[idx[s:s + LOSS_CHUNK]] = _chunk_logprobs(hs[s:s + LOSS_CHUNK], wc,
+                                                             ts[s:s + LOSS_CHUNK],
                                                              vocab_size, temperature)[1]
         ctx.save_for_backward(h, w, targets)
         ctx.vocab_size, ctx.dtype, ctx.temperature = vocab_size, dtype, temperature
@@ -214,9 +242,11 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def chunked_cross_entropy(h, w, targets, vocab_size, weights=None):
-    """h: (T, d), w: (Vp, d), targets: (T,) with -100 ignored -> (summed CE float32 scalar, n_targets tensor)."""
+    """h: (T, d), w: (Vp, d), targets: (T,) with -100 ignored -> (summed CE float32 scalar,
+    n_targets tensor)."""
     n = (targets != IGNORE_INDEX).sum()
-    # forward() runs with grad mode off, so whether gradients are wanted (not in evaluation) is decided here
+    # forward() runs with grad mode off, so whether gradients are wanted (not in evaluation) is
+    # decided here
     need_grad = torch.is_grad_enabled() and (h.requires_grad or w.requires_grad)
     return ChunkedCrossEntropy.apply(h, w, targets, vocab_size, weights, need_grad), n
 

@@ -1,10 +1,13 @@
 """
-LoRA and QLoRA: low-rank adapters on a Transformer's block linears, the base frozen (QLoRA: stored in 4-bit NF4).
+LoRA and QLoRA: low-rank adapters on a Transformer's block linears, the base frozen (QLoRA: stored
+in 4-bit NF4).
 
-A LoRALinear *is* the nn.Linear it replaces (its weight and bias under the same names: Hugging Face I/O and FSDP2
-see the base unchanged), plus lora_A (r, in) and lora_B (out, r):
-    y = x W^T + b + scale * dropout(x) A^T B^T,   scale = alpha / r,   B = 0 at the start (step 0 is the base)
-Switched off (adapters_disabled) it is the base exactly: DPO's reference without a second model or a cache.
+A LoRALinear *is* the nn.Linear it replaces (its weight and bias under the same names: Hugging Face
+I/O and FSDP2 see the base unchanged), plus lora_A (r, in) and lora_B (out, r):
+    y = x W^T + b + scale * dropout(x) A^T B^T,   scale = alpha / r,
+    B = 0 at the start (step 0 is the base)
+Switched off (adapters_disabled) it is the base exactly: DPO's reference without a second model or
+a cache.
 """
 import contextlib
 import importlib.util
@@ -18,7 +21,8 @@ import torch.nn.functional as F
 
 from nanopack.parallel import print0
 
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # Hugging Face names
+# Hugging Face names
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 class LoRALinear(nn.Linear):
@@ -30,7 +34,8 @@ class LoRALinear(nn.Linear):
 
 
 def check_settings(c, world_size=1):
-    """The LoRA keys of a config, checked before any work: ValueError('key=value; what is accepted')."""
+    """The LoRA keys of a config, checked before any work: ValueError('key=value; what is
+    accepted')."""
     def bad(key, accepted):
         raise ValueError(f"{key}={c[key]!r}; {accepted}")
 
@@ -39,39 +44,50 @@ def check_settings(c, world_size=1):
         bad("lora_alpha", "it must be a number greater than 0 (None: 2 x lora_rank)")
     unknown = [t for t in c["lora_targets"].split(",") if t not in TARGETS]
     if unknown or not c["lora_targets"]:
-        bad("lora_targets", f"no layer is called {', '.join(map(repr, unknown))}; a block's linear layers are "
+        bad("lora_targets",
+            f"no layer is called {', '.join(map(repr, unknown))}; a block's linear layers are "
                             f"{','.join(TARGETS)} (comma-separated, no spaces)")
     quantize = c["quantize_base"]
     if quantize not in ("", "nf4"):
         bad("quantize_base", "choose '' (the base in dtype) or 'nf4' (QLoRA)")
     if quantize and not c["lora_rank"]:
-        bad("quantize_base", "a 4-bit base cannot be trained: it needs adapters, set lora_rank (e.g. 16)")
+        bad("quantize_base",
+            "a 4-bit base cannot be trained: it needs adapters, set lora_rank (e.g. 16)")
     if quantize and world_size > 1:
-        bad("quantize_base", "QLoRA runs in one process (a model that fits one GPU); use LoRA without it on several")
+        bad("quantize_base",
+            "QLoRA runs in one process (a model that fits one GPU); use LoRA without it on several")
     if quantize and importlib.util.find_spec("torchao") is None:
         bad("quantize_base", "'nf4' needs torchao: pip install torchao")
     defaults = dict(lora_alpha=None, lora_dropout=0.0, lora_targets=",".join(TARGETS))
     unused = [k for k, v in defaults.items() if c[k] != v] if not c["lora_rank"] else []
     if unused:  # a LoRA setting without adapters would be silently ignored
-        bad(unused[0], f"it is set but lora_rank=0 (full fine-tuning, no adapters); set lora_rank (e.g. 8) to train "
+        bad(unused[0],
+            "it is set but lora_rank=0 (full fine-tuning, no adapters); set lora_rank (e.g. 8) to "
+            "train "
                        f"adapters, or drop {unused[0]}")
 
 
 def add_adapters(model, rank, alpha, dropout=0.0, targets=TARGETS):
-    """Freeze the model, give each target linear of every block adapters (on the meta device: init_adapters later)."""
-    linears = [(n, m) for n, m in model.layers.named_modules(prefix="layers") if n.rsplit(".", 1)[-1] in targets]
+    """Freeze the model, give each target linear of every block adapters (on the meta device:
+    init_adapters later)."""
+    linears = [(n, m) for n, m in model.layers.named_modules(prefix="layers")
+               if n.rsplit(".", 1)[-1] in targets]
     name, m = min(linears, key=lambda x: min(x[1].in_features, x[1].out_features))
-    if rank > min(m.in_features, m.out_features):  # past that, a rank adds parameters and no capacity
-        raise ValueError(f"lora_rank={rank} is more than the smallest dimension of the adapted layers ({name}: "
-                         f"{m.in_features} -> {m.out_features}); choose at most {min(m.in_features, m.out_features)}")
+    # past that, a rank adds parameters and no capacity
+    if rank > min(m.in_features, m.out_features):
+        raise ValueError(f"lora_rank={rank} is more than the smallest dimension of the adapted "
+                         f"layers ({name}: {m.in_features} -> {m.out_features}); choose at most "
+                         f"{min(m.in_features, m.out_features)}")
     model.requires_grad_(False)
     for _, linear in linears:
-        # the module itself becomes a LoRALinear (as fully_shard turns modules into FSDP modules): the base keeps its
-        # Parameter objects, hooks and place in the model, and this works on the meta device
+        # the module itself becomes a LoRALinear (as fully_shard turns modules into FSDP modules):
+        # the base keeps its Parameter objects, hooks and place in the model, and this works on the
+        # meta device
         linear.__class__ = LoRALinear
         w = linear.weight
-        linear.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, device=w.device, dtype=w.dtype))
-        linear.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, device=w.device, dtype=w.dtype))
+        like_w = dict(device=w.device, dtype=w.dtype)
+        linear.lora_A = nn.Parameter(torch.empty(rank, linear.in_features, **like_w))
+        linear.lora_B = nn.Parameter(torch.empty(linear.out_features, rank, **like_w))
         linear.scale, linear.enabled, linear.dropout = alpha / rank, True, nn.Dropout(dropout)
     if not model.embed_tokens.weight.is_meta:
         init_adapters(model)
@@ -80,8 +96,8 @@ def add_adapters(model, rank, alpha, dropout=0.0, targets=TARGETS):
 
 @torch.no_grad()
 def init_adapters(model, seed=0):
-    """A kaiming-uniform (nn.Linear's and peft's default), B zero; drawn whole from a seeded generator, so FSDP2
-    shards get the values one process holding it all would."""
+    """A kaiming-uniform (nn.Linear's and peft's default), B zero; drawn whole from a seeded
+    generator, so FSDP2 shards get the values one process holding it all would."""
     gen = torch.Generator().manual_seed(seed)
     for module in adapted(model):
         a = torch.empty(tuple(module.lora_A.shape))
@@ -93,7 +109,8 @@ def init_adapters(model, seed=0):
 def _copy_rows(param, full):  # an FSDP2 (Shard(0)) DTensor takes this rank's rows
     if hasattr(param, "to_local"):
         from torch.distributed.tensor import distribute_tensor
-        full = distribute_tensor(full, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        full = distribute_tensor(full, param.device_mesh, param.placements,
+                                 src_data_rank=None).to_local()
         param = param.to_local()
     param.copy_(full)
 
@@ -125,33 +142,38 @@ def adapters_disabled(model):
 
 
 def quantize_base(model, block_size=64, scaler_block_size=256):
-    """QLoRA: each adapted layer's frozen weight becomes a torchao NF4 tensor (4-bit codes, one scale per
-    block_size values, the scales themselves quantised per scaler_block_size), dequantised per matmul."""
+    """QLoRA: each adapted layer's frozen weight becomes a torchao NF4 tensor (4-bit codes, one
+    scale per block_size values, the scales themselves quantised per scaler_block_size), dequantised
+    per matmul."""
     try:
         from torchao.quantization import to_nf4
     except ImportError:
         raise ImportError("quantize_base='nf4' needs torchao: pip install torchao") from None
     tile = block_size * scaler_block_size  # torchao's blocks must tile the weight
-    kept = [name for name, m in model.named_modules() if isinstance(m, LoRALinear) and m.weight.numel() % tile]
+    kept = [name for name, m in model.named_modules() if isinstance(m, LoRALinear)
+            and m.weight.numel() % tile]
     if len(kept) == len(adapted(model)):
-        raise ValueError(f"quantize_base='nf4': none of the {len(kept)} adapted weights is a multiple of {tile} "
-                         f"values (NF4 blocks), so nothing would be 4-bit and QLoRA would be plain LoRA; drop "
-                         f"quantize_base for this model")
+        raise ValueError(f"quantize_base='nf4': none of the {len(kept)} adapted weights is a "
+                         f"multiple of {tile} values (NF4 blocks), so nothing would be 4-bit and "
+                         "QLoRA would be plain LoRA; drop quantize_base for this model")
     for m in adapted(model):
         if m.weight.numel() % tile == 0:
-            m.weight = nn.Parameter(to_nf4(m.weight.detach(), block_size, scaler_block_size), requires_grad=False)
+            m.weight = nn.Parameter(to_nf4(m.weight.detach(), block_size, scaler_block_size),
+                                    requires_grad=False)
     if kept:
-        print0(f"quantize_base: {len(kept)} weight(s) stay in {model.embed_tokens.weight.dtype}, their size is not a "
-               f"multiple of {tile} (NF4 blocks), e.g. {kept[0]}")
+        print0(f"quantize_base: {len(kept)} weight(s) stay in {model.embed_tokens.weight.dtype}, "
+               f"their size is not a multiple of {tile} (NF4 blocks), e.g. {kept[0]}")
     return kept
 
 
 @torch.no_grad()
 def cast_base(model, dtype):
-    """The frozen matrices in the compute dtype (bf16: half of float32's memory; nothing of them trains, so no
-    float32 master copy is needed), the embedding table (it sets the residual stream's dtype) and NF4 ones excepted."""
+    """The frozen matrices in the compute dtype (bf16: half of float32's memory; nothing of them
+    trains, so no float32 master copy is needed), the embedding table (it sets the residual stream's
+    dtype) and NF4 ones excepted."""
     for name, p in model.named_parameters():
-        if not p.requires_grad and p.dim() == 2 and name != "embed_tokens.weight" and not hasattr(p, "quantized_data"):
+        if (not p.requires_grad and p.dim() == 2 and name != "embed_tokens.weight"
+                and not hasattr(p, "quantized_data")):
             p.data = p.data.to(dtype)
 
 
@@ -161,7 +183,8 @@ def dense(w):
 
 @torch.no_grad()
 def merged_state_dict(model):
-    """model.state_dict() with each adapted weight W + scale * B A, no adapter entries (FSDP2: each rank its rows)."""
+    """model.state_dict() with each adapted weight W + scale * B A, no adapter entries (FSDP2: each
+    rank its rows)."""
     state = model.state_dict()
     for name, m in model.named_modules():
         if isinstance(m, LoRALinear):
@@ -172,7 +195,8 @@ def merged_state_dict(model):
 
 
 def save_adapter(model, path, base_model_name_or_path, rank, alpha, dropout, targets):
-    """A PEFT folder that peft.PeftModel.from_pretrained(base, path) loads; every rank calls it, rank 0 writes."""
+    """A PEFT folder that peft.PeftModel.from_pretrained(base, path) loads; every rank calls it,
+    rank 0 writes."""
     from safetensors.torch import save
     import torch.distributed as dist
     tensors = {}
@@ -182,10 +206,13 @@ def save_adapter(model, path, base_model_name_or_path, rank, alpha, dropout, tar
     if dist.is_initialized() and dist.get_rank() != 0:
         return
     os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:  # here: a full disk is an OSError
+    # here: a full disk is an OSError
+    with open(os.path.join(path, "adapter_model.safetensors"), "wb") as f:
         f.write(save(tensors, metadata={"format": "pt"}))
-    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                  target_modules=sorted(targets), bias="none", fan_in_fan_out=False, use_rslora=False,
+    config = dict(peft_type="LORA", task_type="CAUSAL_LM", r=rank, lora_alpha=alpha,
+                  lora_dropout=dropout,
+                  target_modules=sorted(targets), bias="none", fan_in_fan_out=False,
+                  use_rslora=False,
                   use_dora=False, init_lora_weights=True, inference_mode=True,
                   base_model_name_or_path=base_model_name_or_path)
     with open(os.path.join(path, "adapter_config.json"), "w") as f:

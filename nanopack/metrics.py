@@ -1,5 +1,5 @@
-"""Honest numbers for the log: metrics.jsonl (and wandb), tokens/s, MFU and padding from each micro-batch's real
-tokens and sequence lengths, peak memory, time."""
+"""Honest numbers for the log: metrics.jsonl (and wandb), tokens/s, MFU and padding from each
+micro-batch's real tokens and sequence lengths, peak memory, time."""
 import json
 import os
 import resource
@@ -11,7 +11,8 @@ from torch._dynamo.utils import counters
 
 from nanopack.parallel import all_reduce_sum, fail, is_master, stop_signal
 
-# dense bf16 tensor-core peak, FLOP/s, from the vendors' datasheets; an unknown device gets no MFU at all
+# dense bf16 tensor-core peak, FLOP/s, from the vendors' datasheets; an unknown device gets no MFU
+# at all
 PEAK_BF16_FLOPS = [("H200", 989e12), ("H100 NVL", 835e12), ("H100 PCIe", 756e12), ("H100", 989e12),
                    ("B200", 2250e12), ("A100", 312e12), ("L40S", 362e12), ("A10G", 70e12)]
 
@@ -24,12 +25,15 @@ def peak_flops(device):
 
 
 class MetricsLogger:
-    """One JSON object per line in out_dir/metrics.jsonl, and the same to wandb when asked (rank 0 only). A line the
-    disk refuses stops the run after its step with a checkpoint, as a SIGTERM does, and the file is written no more."""
+    """One JSON object per line in out_dir/metrics.jsonl, and the same to wandb when asked (rank 0
+    only). A line the disk refuses stops the run after its step with a checkpoint, as a SIGTERM
+    does, and the file is written no more."""
 
-    def __init__(self, out_dir, wandb_log=False, wandb_project="nanopack", run_name=None, config=None,
+    def __init__(self, out_dir, wandb_log=False, wandb_project="nanopack", run_name=None,
+                 config=None,
                  resume_iter=None):
-        """resume_iter: the checkpoint's step; rows past it (a killed run's) are dropped, so no step appears twice."""
+        """resume_iter: the checkpoint's step; rows past it (a killed run's) are dropped, so no step
+        appears twice."""
         self.active = is_master()
         self.path = os.path.join(out_dir, "metrics.jsonl")
         self.wandb = None
@@ -44,14 +48,17 @@ class MetricsLogger:
                         row = json.loads(line) if line.strip() else {}
                     except ValueError as e:
                         if i < len(lines):
-                            raise SystemExit(f"{self.path}:{i} is not a JSON line ({e}): fix or delete that line of "
-                                             f"the log, then resume again") from None
-                        print(f"note: {self.path}:{i}, the last line, was cut short (a write that did not finish, e.g. "
-                              f"on a full disk): dropped", flush=True)
+                            raise SystemExit(f"{self.path}:{i} is not a JSON line ({e}): fix or "
+                                             "delete that line of the log, then resume "
+                                             "again") from None
+                        print(f"note: {self.path}:{i}, the last line, was cut short (a write that "
+                              "did not finish, e.g. on a full disk): dropped", flush=True)
                         continue
                     if row and row.get("iter", 0) <= resume_iter:
-                        kept.append(line.rstrip("\n") + "\n")  # a last line cut just before its newline
-            if not kept and (config or {}).get("hub"):  # a run from hub names: their commits head its log
+                        # a last line cut just before its newline
+                        kept.append(line.rstrip("\n") + "\n")
+            # a run from hub names: their commits head its log
+            if not kept and (config or {}).get("hub"):
                 kept = [json.dumps(dict(iter=0, hub=config["hub"])) + "\n"]
             try:
                 with open(self.path + ".tmp", "w") as f:
@@ -60,15 +67,18 @@ class MetricsLogger:
             except OSError as e:  # a full disk: the log as it was, and no empty .tmp beside it
                 if os.path.lexists(self.path + ".tmp"):
                     os.remove(self.path + ".tmp")
-                fail(f"{e.strerror}: {self.path} cannot be written; free space there, then run the same command "
-                     f"again")
+                fail(f"{e.strerror}: {self.path} cannot be written; free space there, then run the "
+                     "same command again")
             if wandb_log:
                 try:
-                    import wandb  # optional, so imported only when asked for; WANDB_MODE=offline needs no network
+                    # optional, so imported only when asked for; WANDB_MODE=offline needs no network
+                    import wandb
                     self.wandb = wandb.init(project=wandb_project, name=run_name, config=config)
-                except Exception as e:  # not installed, not logged in, no network: one line, before any training
-                    raise SystemExit(f"wandb_log=True, but wandb cannot start ({type(e).__name__}: {e}); "
-                                     f"`pip install wandb` and `wandb login`, or WANDB_MODE=offline") from None
+                except Exception as e:
+                    # not installed, not logged in, no network: one line, before any training
+                    raise SystemExit(f"wandb_log=True, but wandb cannot start ({type(e).__name__}: "
+                                     f"{e}); `pip install wandb` and `wandb login`, or "
+                                     "WANDB_MODE=offline") from None
 
     def log(self, metrics):
         if not self.active:
@@ -78,10 +88,11 @@ class MetricsLogger:
                 with open(self.path, "a") as f:
                     f.write(json.dumps(metrics) + "\n")
             except OSError as e:
-                stop_signal.request(f"{e.strerror}: {self.path} could not be written from iter {metrics.get('iter')} "
-                                    f"on (those rows are missing)")
-                print(f"{e.strerror}: {self.path} could not be written at iter {metrics.get('iter')}: stopping after "
-                      f"the next step with a checkpoint", flush=True)
+                stop_signal.request(f"{e.strerror}: {self.path} could not be written from iter "
+                                    f"{metrics.get('iter')} on (those rows are missing)")
+                print(f"{e.strerror}: {self.path} could not be written at iter "
+                      f"{metrics.get('iter')}: stopping after the next step with a checkpoint",
+                      flush=True)
                 self.path = None
         if self.wandb is not None:
             self.wandb.log(metrics, step=metrics.get("iter"))
@@ -92,8 +103,9 @@ class MetricsLogger:
 
 
 class Throughput:
-    """A log window's real tokens, padding, positions, FLOPs from the actual sequence lengths, and time waiting for
-    data, counted on the host; read() sums them over ranks in one collective, with the script's own sums."""
+    """A log window's real tokens, padding, positions, FLOPs from the actual sequence lengths, and
+    time waiting for data, counted on the host; read() sums them over ranks in one collective, with
+    the script's own sums."""
 
     def __init__(self, model, device, world_size, flops_factor=1.0):
         self.model, self.device, self.world_size = model, device, world_size
@@ -107,8 +119,10 @@ class Throughput:
     def count(self, microbatches, data_time):
         for mb in microbatches:
             if mb.num_tokens:
-                keys = mb.key_lengths()  # per query segment of real tokens (a CP slice: pieces of sequences)
-                flops = self.model.flops_per_token(np.diff(mb.cu_seqlens.numpy())[:len(keys)], mb.num_target_tokens,
+                # per query segment of real tokens (a CP slice: pieces of sequences)
+                keys = mb.key_lengths()
+                flops = self.model.flops_per_token(np.diff(mb.cu_seqlens.numpy())[:len(keys)],
+                                                   mb.num_target_tokens,
                                                    keys)
                 self.flops += self.flops_factor * flops * mb.num_tokens
             self.tokens += mb.num_tokens
@@ -119,7 +133,8 @@ class Throughput:
     def read(self, elapsed, n_steps, extra=()):
         """-> (metrics, the extra values summed over ranks); starts a new window."""
         *extra, tokens, padding, positions, flops, data_time = all_reduce_sum(
-            list(extra) + [self.tokens, self.padding, self.positions, self.flops, self.data_time], self.device)
+            list(extra) + [self.tokens, self.padding, self.positions, self.flops, self.data_time],
+            self.device)
         self.reset()
         metrics = dict(
             tokens=tokens / n_steps, tokens_per_sec=tokens / elapsed,
@@ -127,17 +142,19 @@ class Throughput:
             mfu=flops / elapsed / (self.peak * self.world_size) if self.peak else None,
             padding_fraction=padding / max(positions, 1),
             peak_mem_gb=(torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda"
-                         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,  # Linux: KiB
+                         # Linux: KiB
+                         else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30,
             data_time_frac=data_time / self.world_size / elapsed, time_ms=1000 * elapsed / n_steps,
-            compiled_graphs=counters["stats"]["unique_graphs"])  # recompiles show here: bounded, not one per step
+            # recompiles show here: bounded, not one per step
+            compiled_graphs=counters["stats"]["unique_graphs"])
         return metrics, extra
 
     @staticmethod
     def line(m):
         mfu = f"{100 * m['mfu']:.1f}%" if m["mfu"] is not None else "-"
         graphs = f" | {m['compiled_graphs']} graphs" if m["compiled_graphs"] else ""
-        return (f"{m['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | mfu {mfu} | pad {100 * m['padding_fraction']:.1f}% | "
-                f"{m['time_ms']:.0f} ms/it{graphs}")
+        return (f"{m['tokens_per_sec_per_gpu']:,.0f} tok/s/gpu | mfu {mfu} | pad "
+                f"{100 * m['padding_fraction']:.1f}% | {m['time_ms']:.0f} ms/it{graphs}")
 
 
 class Timer:
@@ -155,4 +172,6 @@ class Timer:
 
 def format_eta(seconds):
     seconds = int(seconds)
-    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else f"{seconds // 60}m{seconds % 60:02d}s"
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds // 60 % 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s"

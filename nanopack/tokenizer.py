@@ -1,14 +1,16 @@
 """
 Tokenizers, tiktoken underneath. Three ways to get one, all offline:
   Tokenizer.byte_level()    256 byte tokens + 5 chat special tokens: the built-in data and the tests
-  Tokenizer.from_dir(path)  a model folder: its Hugging Face tokenizer.json (byte-level BPE: Qwen2/2.5/3, SmolLM2,
-                            Llama-3 exported) or else its Llama-3 tiktoken tokenizer.model, and its own chat template
+  Tokenizer.from_dir(path)  a model folder: its Hugging Face tokenizer.json (byte-level BPE:
+                            Qwen2/2.5/3, SmolLM2, Llama-3 exported) or else its Llama-3 tiktoken
+                            tokenizer.model, and its own chat template
   get_tokenizer(spec)       "byte" or a model folder: what `data/prepare.py --tokenizer` takes
 
-render(messages) -> (ids, loss_mask), the mask by chat_template.py's rule. A model's own template: the rendered text
-cut at every added token, wherever it stands, and the pieces between encoded: apply_chat_template's ids (so <think>
-and <tool_call> written in a message are their single ids). configure_chat(escape_special_text=True): special-token
-text in messages that the template does not parse stays plain text, so data cannot inject a turn boundary.
+render(messages) -> (ids, loss_mask), the mask by chat_template.py's rule. A model's own template:
+the rendered text cut at every added token, wherever it stands, and the pieces between encoded:
+apply_chat_template's ids (so <think> and <tool_call> written in a message are their single ids).
+configure_chat(escape_special_text=True): special-token text in messages that the template does not
+parse stays plain text, so data cannot inject a turn boundary.
 """
 import base64
 import itertools
@@ -20,25 +22,27 @@ import unicodedata
 import regex  # tiktoken's own dependency; the same split regexes, for text with unspellable bytes
 import tiktoken
 
-from nanopack.chat_template import (REASONING_FIELDS, ROLES, TEMPLATES, ChatTemplate, guess_template, map_values,
-                           read_chat_template, token_text)
+from nanopack.bpe import bytes_to_unicode, split_regex
+from nanopack.chat_template import (REASONING_FIELDS, ROLES, TEMPLATES, ChatTemplate,
+                                    guess_template, map_values, read_chat_template, token_text)
 
 BYTE_SPECIALS = ["<|bos|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>"]  # ids 256..260
-# split regexes (tiktoken's regex dialect, same as the Hugging Face tokenizers one for these)
-GPT2_PATTERN = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
+# Llama-3's split regex (tiktoken's regex dialect, same as the Hugging Face tokenizers one)
 LLAMA3_PATTERN = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}|"""
                   r""" ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+""")
 # Llama-3.1's named special tokens; the ids of the ones the template uses are the same in Llama-3.
 LLAMA3_SPECIALS = ["<|begin_of_text|>", "<|end_of_text|>", "<|reserved_special_token_0|>",
                    "<|reserved_special_token_1|>", "<|finetune_right_pad_id|>", "<|step_id|>",
-                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>", "<|python_tag|>"]
+                   "<|start_header_id|>", "<|end_header_id|>", "<|eom_id|>", "<|eot_id|>",
+                   "<|python_tag|>"]
 LLAMA3_NUM_SPECIALS = 256
 # what a model may emit to end its output besides the end-of-turn token (a base model's end of text)
 END_OF_TEXT = ["<|end_of_text|>", "<|eom_id|>", "<|endoftext|>"]
 
 
 def reasoning_of(message):
-    """A message's reasoning: its reasoning field, else what its content has before </think> (DeepSeek-R1's form)."""
+    """A message's reasoning: its reasoning field, else what its content has before </think>
+    (DeepSeek-R1's form)."""
     field = next((message[k] for k in REASONING_FIELDS if isinstance(message.get(k), str)), None)
     content = message.get("content")
     if field is None and isinstance(content, str) and "</think>" in content:
@@ -47,36 +51,49 @@ def reasoning_of(message):
 
 
 class Tokenizer:
-    """encode/decode plain text, render chats. template: a TEMPLATES name or "model" (the folder's own); eos_id: the
-    template's end-of-turn token; stop_ids: it and the model's end-of-text tokens; bos_id: None for Qwen's chatml."""
+    """encode/decode plain text, render chats. template: a TEMPLATES name or "model" (the folder's
+    own); eos_id: the template's end-of-turn token; stop_ids: it and the model's end-of-text tokens;
+    bos_id: None for Qwen's chatml."""
 
-    def __init__(self, name, pat_str, mergeable_ranks, special_tokens, template, bos=None, nfc=False,
+    def __init__(self, name, pat_str, mergeable_ranks, special_tokens, template, bos=None,
+                 nfc=False,
                  unk=None, fuse_unk=False, chat_template=None):
-        """chat_template: (jinja source, variables, where) of the folder's own template, for "model"."""
+        """chat_template: (jinja source, variables, where) of the folder's own template, for
+        "model"."""
         try:
             self.enc = tiktoken.Encoding(name, pat_str=pat_str, mergeable_ranks=mergeable_ranks,
                                          special_tokens=special_tokens)
         except ValueError as e:  # the regex did not compile in tiktoken's engine
-            raise ValueError(f"{name}: split regex {pat_str!r} is not usable by tiktoken: {e}") from None
+            raise ValueError(f"{name}: split regex {pat_str!r} is not usable by tiktoken: "
+                             f"{e}") from None
         self.name = name  # "byte" or the model folder: get_tokenizer(name, template) rebuilds it
         self.template = template
         self.special_tokens = dict(special_tokens)  # text -> id
         self.vocab_size = self.enc.n_vocab
         self.nfc = nfc  # Qwen2's tokenizer.json NFC-normalizes text before splitting
-        # tokenizers finds added tokens in text leftmost-longest; so does this alternation, longest first
+        # tokenizers finds added tokens in text leftmost-longest; so does this alternation, longest
+        # first
         longest_first = sorted(special_tokens, key=len, reverse=True)
-        self._special_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")  # (?!): no match
-        missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]  # runs of them: _missing_re
-        self._missing_re = re.compile(b"([%s]+)" % b"".join(b"\\x%02x" % b for b in missing)) if missing else None
-        self._split_re = regex.compile(pat_str) if missing else None  # tiktoken's split, for that text
-        self.unk_id, self.fuse_unk = unk, fuse_unk  # what tokenizers emits for a byte it cannot spell
+        # (?!): no match
+        self._special_re = re.compile("|".join(map(re.escape, longest_first)) or "(?!)")
+        # runs of them: _missing_re
+        missing = [b for b in range(256) if bytes([b]) not in mergeable_ranks]
+        self._missing_re = None
+        if missing:
+            self._missing_re = re.compile(b"([%s]+)" % b"".join(b"\\x%02x" % b for b in missing))
+        # tiktoken's split, for that text
+        self._split_re = regex.compile(pat_str) if missing else None
+        # what tokenizers emits for a byte it cannot spell
+        self.unk_id, self.fuse_unk = unk, fuse_unk
         self._trusted_cache = {}
         self.chat_template_kwargs, self.escape_special_text = {}, False
-        self.reasoning_unwritten = 0  # trained assistant turns whose reasoning a rendering leaves out
+        # trained assistant turns whose reasoning a rendering leaves out
+        self.reasoning_unwritten = 0
         if template == "model":
             if chat_template is None:
-                raise ValueError(f"{name}: template 'model' asks for the folder's own chat template, and it has none "
-                                 f"(no chat_template.jinja, no \"chat_template\" in tokenizer_config.json)")
+                raise ValueError(f"{name}: template 'model' asks for the folder's own chat "
+                                 "template, and it has none (no chat_template.jinja, no "
+                                 "\"chat_template\" in tokenizer_config.json)")
             self.chat_template = ChatTemplate(*chat_template)
             self.template_id = self.chat_template.id
             self.eos_id = special_tokens[self.chat_template.end_of_turn(self._special_re)]
@@ -85,15 +102,18 @@ class Tokenizer:
             t = TEMPLATES[template]
             for s in (t["bos"], t["eot"]):
                 if s is not None and s not in special_tokens:
-                    raise ValueError(f"template {template!r} needs special token {s!r}, which {name} lacks")
+                    raise ValueError(f"template {template!r} needs special token {s!r}, which "
+                                     f"{name} lacks")
             self.eos_id = special_tokens[t["eot"]]
             bos = t["bos"] or bos
         else:
-            raise ValueError(f"unknown chat template {template!r}; expected 'model' (the folder's own) or one of "
-                             f"{list(TEMPLATES)}")
+            raise ValueError(f"unknown chat template {template!r}; expected 'model' (the folder's "
+                             f"own) or one of {list(TEMPLATES)}")
         self.stop_ids = [self.eos_id] + [special_tokens[s] for s in END_OF_TEXT
-                                         if s in special_tokens and special_tokens[s] != self.eos_id]
-        self._stop_texts = {s for s, i in special_tokens.items() if i in self.stop_ids}  # what ends a reply
+                                         if s in special_tokens
+                                         and special_tokens[s] != self.eos_id]
+        # what ends a reply
+        self._stop_texts = {s for s, i in special_tokens.items() if i in self.stop_ids}
         self.bos_id = special_tokens.get(bos) if bos else None
 
     # plain text -----------------------------------------------------------------------------------
@@ -108,8 +128,9 @@ class Tokenizer:
         return [t for piece in pieces for t in self._encode_piece(piece.encode())]
 
     def _encode_piece(self, piece):
-        """A piece holding bytes the vocab lacks (SmolLM2 lacks 21), as tokenizers does it: the bytes dropped, the rest
-        merged as one word; with an unk token, each byte (each run with fuse_unk) is unk, the parts between merged."""
+        """A piece holding bytes the vocab lacks (SmolLM2 lacks 21), as tokenizers does it: the
+        bytes dropped, the rest merged as one word; with an unk token, each byte (each run with
+        fuse_unk) is unk, the parts between merged."""
         parts = self._missing_re.split(piece)  # kept, missing run, kept, ..., kept
         if self.unk_id is None:
             kept = b"".join(parts[0::2])
@@ -130,7 +151,8 @@ class Tokenizer:
         if self._missing_re is None:
             return len(data)
         parts = self._missing_re.split(data)
-        dropped = [0 if self.unk_id is None else 1 if self.fuse_unk else len(p) for p in parts[1::2]]
+        dropped = [0 if self.unk_id is None else 1 if self.fuse_unk else len(p)
+                   for p in parts[1::2]]
         return sum(map(len, parts[0::2])) + sum(dropped)
 
     def decode(self, ids):
@@ -142,32 +164,39 @@ class Tokenizer:
 
     # chats ----------------------------------------------------------------------------------------
     def configure_chat(self, chat_template_kwargs=None, escape_special_text=False):
-        """Settings of every chat rendered, part of template_id (so of prepared data and caches): chat_template_kwargs
-        as apply_chat_template(**kwargs) passes them; escape_special_text (see the module docstring)."""
+        """Settings of every chat rendered, part of template_id (so of prepared data and caches):
+        chat_template_kwargs as apply_chat_template(**kwargs) passes them; escape_special_text (see
+        the module docstring)."""
         kwargs = dict(chat_template_kwargs or {})
         if self.template == "model":
             self.chat_template.check([], None, kwargs, None)
         elif kwargs or escape_special_text:
-            raise ValueError(f"the built-in {self.template!r} chat format reads no chat_template_kwargs and parses no "
-                             f"special-token text; use a model folder with its own chat template")
+            raise ValueError(f"the built-in {self.template!r} chat format reads no "
+                             "chat_template_kwargs and parses no special-token text; use a model "
+                             "folder with its own chat template")
         self.chat_template_kwargs, self.escape_special_text = kwargs, escape_special_text
         self.template_id = self.template_id.split("+")[0] + "".join(
-            ["+" + json.dumps(kwargs, sort_keys=True)] * bool(kwargs) + ["+escaped"] * escape_special_text)
+            ["+" + json.dumps(kwargs, sort_keys=True)] * bool(kwargs)
+            + ["+escaped"] * escape_special_text)
         return self
 
     def render(self, messages, add_generation_prompt=False, trained_from=0, tools=None, **kwargs):
-        """[{"role", "content", ...}, ...] -> (ids, loss_mask), assistant messages from index trained_from on trained
-        (but those with OpenAI's "weight": 0); tools and kwargs (over chat_template_kwargs) reach the template as
-        apply_chat_template passes them."""
-        kwargs, (messages, trained) = {**self.chat_template_kwargs, **kwargs}, weighed(messages, trained_from)
+        """[{"role", "content", ...}, ...] -> (ids, loss_mask), assistant messages from index
+        trained_from on trained (but those with OpenAI's "weight": 0); tools and kwargs (over
+        chat_template_kwargs) reach the template as apply_chat_template passes them."""
+        kwargs, (messages, trained) = {**self.chat_template_kwargs, **kwargs}, weighed(messages,
+                                                                                       trained_from)
         if self.template == "model":
             return self._render_model(messages, add_generation_prompt, trained, tools, kwargs)
-        extra = [f"messages[{i}].{k}" for i, m in enumerate(messages) for k in m if k not in ("role", "content")] + [
-            f"messages[{i}].role {m['role']!r}" for i, m in enumerate(messages) if m["role"] not in ROLES[:3]] + [
-            "tools"] * bool(tools) + [f"chat_template_kwargs {k!r}" for k in kwargs]
+        extra = ([f"messages[{i}].{k}" for i, m in enumerate(messages) for k in m
+                  if k not in ("role", "content")]
+                 + [f"messages[{i}].role {m['role']!r}" for i, m in enumerate(messages)
+                    if m["role"] not in ROLES[:3]]
+                 + ["tools"] * bool(tools) + [f"chat_template_kwargs {k!r}" for k in kwargs])
         if extra:
-            raise ValueError(f"{extra[0]}: the built-in {self.template!r} chat format renders only the role and "
-                             f"content of system, user and assistant messages; use a model folder's chat template")
+            raise ValueError(f"{extra[0]}: the built-in {self.template!r} chat format renders only "
+                             "the role and content of system, user and assistant messages; use a "
+                             "model folder's chat template")
         t = TEMPLATES[self.template]
         ids = self._trusted(t["bos"] or "")[:]
         mask = [0] * len(ids)
@@ -188,34 +217,43 @@ class Tokenizer:
         return self.render(messages, add_generation_prompt=True, **options)[0]
 
     def render_pair(self, prompt, chosen, rejected, **options):
-        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of assistant messages) ->
-        ((ids, mask) of chosen, (ids, mask) of rejected); only the responses are trained, the prompt is context."""
+        """DPO: prompt (messages or a user string) + chosen/rejected (a string or a list of
+        assistant messages) -> ((ids, mask) of chosen, (ids, mask) of rejected); only the responses
+        are trained, the prompt is context."""
         def turns(x, role):
             return [dict(role=role, content=x)] if isinstance(x, str) else list(x)
         prompt, sides = turns(prompt, "user"), []
         for name, response in (("chosen", chosen), ("rejected", rejected)):
-            sides.append(self.render(prompt + turns(response, "assistant"), trained_from=len(prompt), **options))
+            sides.append(self.render(prompt + turns(response, "assistant"),
+                                     trained_from=len(prompt), **options))
             if not any(sides[-1][1]):
-                raise ValueError(f"the {name} reply has no trained token (its assistant turns have weight 0, or the "
-                                 f"template writes none of them), so the pair compares nothing")
+                raise ValueError(f"the {name} reply has no trained token (its assistant turns have "
+                                 "weight 0, or the template writes none of them), so the pair "
+                                 "compares nothing")
         return tuple(sides)
 
     def render_turns(self, messages, tools=None, **kwargs):
-        """reasoning_turns='each' -> [(ids, mask)]: an assistant turn the whole conversation renders otherwise (Qwen3
-        drops earlier reasoning) is its prefix, only it trained; the whole conversation trains the others (if any)."""
+        """reasoning_turns='each' -> [(ids, mask)]: an assistant turn the whole conversation renders
+        otherwise (Qwen3 drops earlier reasoning) is its prefix, only it trained; the whole
+        conversation trains the others (if any)."""
         if self.template != "model":
             return [self.render(messages, tools=tools, **kwargs)]
-        kwargs, ct, (messages, trained) = {**self.chat_template_kwargs, **kwargs}, self.chat_template, weighed(messages)
+        kwargs, ct, (messages, trained) = {**self.chat_template_kwargs,
+                                           **kwargs}, self.chat_template, weighed(messages)
         try:
             text = ct.render(messages, False, tools, kwargs)
-            own = [i for i in trained if not text.startswith(ct.render(messages[:i + 1], False, tools, kwargs))]
+            own = [i for i in trained
+                   if not text.startswith(ct.render(messages[:i + 1], False, tools, kwargs))]
         except ValueError:
-            self._render_model(messages, False, trained, tools, kwargs)  # the fields' error first, as render's
+            # the fields' error first, as render's
+            self._render_model(messages, False, trained, tools, kwargs)
             raise
         rest = [i for i in trained if i not in own]
-        whole = [self._render_model(messages, False, rest, tools, kwargs)]  # checks the fields first
-        return [self._render_model(messages[:i + 1], False, [i], tools, kwargs, check=False) for i in own] + whole * (
-            len(rest) > 0)
+        # checks the fields first
+        whole = [self._render_model(messages, False, rest, tools, kwargs)]
+        each = [self._render_model(messages[:i + 1], False, [i], tools, kwargs, check=False)
+                for i in own]
+        return each + whole * (len(rest) > 0)
 
     def _trusted(self, s):
         # built-in template strings (ours, not the user's) may contain special tokens
@@ -224,12 +262,14 @@ class Tokenizer:
         return self._trusted_cache[s]
 
     def _render_model(self, messages, add_generation_prompt, trained, tools, kwargs, check=True):
-        """The text transformers renders, tokenized as transformers does; trained: message indices. escape_special_text:
-        special-token text whose wrapping in private-use characters leaves the rendering unchanged is wrapped."""
+        """The text transformers renders, tokenized as transformers does; trained: message indices.
+        escape_special_text: special-token text whose wrapping in private-use characters leaves the
+        rendering unchanged is wrapped."""
         ct = self.chat_template
         seen = json.dumps([messages, tools], ensure_ascii=False, default=str) + ct.source
         used = set(re.findall("[\ue000-\uf8ff]", seen))
-        free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)  # characters the data lacks
+        # characters the data lacks
+        free = (chr(c) for c in range(0xE000, 0xF900) if chr(c) not in used)
         if check:
             ct.check(messages, tools, kwargs, free)
         left, right, mark = itertools.islice(free, 3)
@@ -242,17 +282,22 @@ class Tokenizer:
             whole, escaped = re.compile(f"{left}({self._special_re.pattern}){right}"), []
 
             def wrap(path, s):
-                return self._special_re.sub(lambda t: left + t[0] + right if t[0] in escaped else t[0], s) \
+                return self._special_re.sub(lambda t: left + t[0] + right if t[0] in escaped
+                                            else t[0], s) \
                     if isinstance(s, str) else s
-            for token in sorted(set(self._special_re.findall(json.dumps(messages, ensure_ascii=False, default=str)))):
+            written = json.dumps(messages, ensure_ascii=False, default=str)
+            for token in sorted(set(self._special_re.findall(written))):
                 escaped.append(token)
                 if whole.sub(lambda t: t[1], ct.render(map_values(messages, wrap), *args)) != text:
-                    escaped.pop()  # the template parses it: it stays a special token, as in transformers
+                    # the template parses it: it stays a special token, as in transformers
+                    escaped.pop()
             messages, blocks = map_values(messages, wrap), []
             text = ct.render(messages, *args, blocks)
-        ranges = ct.reply_spans(text, messages, trained, args, mark, self._special_re, self._stop_texts)
+        ranges = ct.reply_spans(text, messages, trained, args, mark, self._special_re,
+                                self._stop_texts)
         pieces = self._pieces(text, left, right)
-        if ct.marks_replies:  # the template's own {% generation %} blocks: those of the trained replies
+        # the template's own {% generation %} blocks: those of the trained replies
+        if ct.marks_replies:
             ranges = [(a, b) for a, b in blocks if any(a < e and s < b for s, e in ranges)]
         ids, mask = [], []
         for a, b, special in pieces:
@@ -267,10 +312,12 @@ class Tokenizer:
         return ids, mask
 
     def _pieces(self, text, left, right):
-        """How transformers cuts a rendered chat before encoding each piece -> [(start, end, special id or None)]: at
-        each special token, and around escaped special-token text (marked left...right), a piece of plain text."""
+        """How transformers cuts a rendered chat before encoding each piece -> [(start, end, special
+        id or None)]: at each special token, and around escaped special-token text (marked
+        left...right), a piece of plain text."""
         pieces, pos = [], 0
-        for m in itertools.chain(re.finditer(f"{left}({self._special_re.pattern}){right}", text), [None]):
+        for m in itertools.chain(re.finditer(f"{left}({self._special_re.pattern}){right}", text),
+                                 [None]):
             stop = m.start() if m else len(text)
             for t in self._special_re.finditer(text, pos, stop):
                 pieces += [(pos, t.start(), None), (t.start(), t.end(), self.special_tokens[t[0]])]
@@ -280,13 +327,16 @@ class Tokenizer:
         return pieces
 
     def _overlaps(self, seg, ids, ranges):
-        """1 for each token of ids = encode(seg) that holds a character of one of ranges (char offsets)."""
+        """1 for each token of ids = encode(seg) that holds a character of one of ranges (char
+        offsets)."""
         if not ranges or any(s <= 0 and len(seg) <= e for s, e in ranges):  # none, or all of it
             return [int(bool(ranges))] * len(ids)
-        sizes = [1 if t == self.unk_id else len(b) for t, b in zip(ids, self.enc.decode_tokens_bytes(ids))]
+        sizes = [1 if t == self.unk_id else len(b)
+                 for t, b in zip(ids, self.enc.decode_tokens_bytes(ids))]
         ends = list(itertools.accumulate(sizes))
         at = [(self._spelled(seg[:max(s, 0)]), self._spelled(seg[:e])) for s, e in ranges]
-        return [int(any(a < end and end - size < b for a, b in at)) for size, end in zip(sizes, ends)]
+        return [int(any(a < end and end - size < b for a, b in at))
+                for size, end in zip(sizes, ends)]
 
     # constructors ---------------------------------------------------------------------------------
     @classmethod
@@ -308,19 +358,21 @@ class Tokenizer:
                     token, rank = line.split()
                     ranks[base64.b64decode(token, validate=True)] = int(rank)
                 except ValueError:  # also binascii.Error
-                    raise ValueError(f"{path}:{lineno}: not a tiktoken rank line '<base64 token> <rank>' "
-                                     f"(SentencePiece tokenizer.model files, e.g. Llama-2 or Mistral, are not "
-                                     f"supported)") from None
-        names = LLAMA3_SPECIALS + [f"<|reserved_special_token_{i}|>"
-                                   for i in range(2, 2 + LLAMA3_NUM_SPECIALS - len(LLAMA3_SPECIALS))]
+                    raise ValueError(f"{path}:{lineno}: not a tiktoken rank line '<base64 token> "
+                                     "<rank>' (SentencePiece tokenizer.model files, e.g. Llama-2 "
+                                     "or Mistral, are not supported)") from None
+        reserved = range(2, 2 + LLAMA3_NUM_SPECIALS - len(LLAMA3_SPECIALS))
+        names = LLAMA3_SPECIALS + [f"<|reserved_special_token_{i}|>" for i in reserved]
         specials = {s: len(ranks) + i for i, s in enumerate(names)}
-        return cls(os.path.dirname(os.path.abspath(path)), LLAMA3_PATTERN, ranks, specials, template,
+        return cls(os.path.dirname(os.path.abspath(path)), LLAMA3_PATTERN, ranks, specials,
+                   template,
                    bos="<|begin_of_text|>", chat_template=chat_template)
 
     @classmethod
     def from_hf_json(cls, path, template=None, chat_template=None, bos=None):
-        """A Hugging Face tokenizer.json holding a byte-level BPE, as tiktoken ranks. template None (or "model"): the
-        folder's own chat_template (read_chat_template's tuple) if given, else a format guessed from added tokens."""
+        """A Hugging Face tokenizer.json holding a byte-level BPE, as tiktoken ranks. template None
+        (or "model"): the folder's own chat_template (read_chat_template's tuple) if given, else a
+        format guessed from added tokens."""
         with open(path, encoding="utf-8") as f:
             tj = json.load(f)
         model = tj.get("model") or {}
@@ -341,7 +393,8 @@ class Tokenizer:
         for t in tj.get("added_tokens", []):
             flags = [k for k in ("lstrip", "rstrip", "single_word") if t.get(k)]
             if flags:  # these change how tokenizers cuts text around the token
-                raise unsupported("added_tokens", f"entry {t['content']!r} sets {flags[0]}, not supported")
+                raise unsupported("added_tokens",
+                                  f"entry {t['content']!r} sets {flags[0]}, not supported")
             added[t["content"]] = t["id"]
 
         # the vocab spells each token's bytes with GPT-2's printable byte-to-unicode alphabet
@@ -351,38 +404,45 @@ class Tokenizer:
             if added.get(token) == rank:
                 continue  # an added/special token, kept out of BPE merging
             if any(c not in byte_of for c in token):
-                raise unsupported("model.vocab", f"entry {token!r} is not spelled in the GPT-2 byte alphabet")
+                raise unsupported("model.vocab",
+                                  f"entry {token!r} is not spelled in the GPT-2 byte alphabet")
             ranks[bytes(byte_of[c] for c in token)] = rank
         unk = model.get("unk_token")
-        if unk is not None and unk not in model["vocab"] and any(bytes([b]) not in ranks for b in range(256)):
-            raise unsupported("model.unk_token", f"{unk!r} is not in the vocab, and missing bytes need it")
+        if unk is not None and unk not in model["vocab"] and any(bytes([b]) not in ranks
+                                                                 for b in range(256)):
+            raise unsupported("model.unk_token",
+                              f"{unk!r} is not in the vocab, and missing bytes need it")
 
-        # tiktoken applies, at each step, the merge whose *result* has the lowest id; Hugging Face applies the merge
-        # listed first. They agree only if results never go down the merge list.
+        # tiktoken applies, at each step, the merge whose *result* has the lowest id; Hugging Face
+        # applies the merge listed first. They agree only if results never go down the merge list.
         prev = -1
         for i, merge in enumerate(model.get("merges", [])):
             a, b = merge.split(" ") if isinstance(merge, str) else merge
             rank = model["vocab"].get(a + b)
             if rank is None or rank < prev:
-                raise ValueError(f"{path}: model.merges are not consistent with rank order (merge #{i} {a!r} + {b!r} "
-                                 f"gives id {rank}, after a merge giving id {prev}), so this BPE cannot be expressed "
-                                 f"as tiktoken ranks")
+                raise ValueError(f"{path}: model.merges are not consistent with rank order (merge "
+                                 f"#{i} {a!r} + {b!r} gives id {rank}, after a merge giving id "
+                                 f"{prev}), so this BPE cannot be expressed as tiktoken ranks")
             prev = rank
         bpe_ids = set(ranks.values())
         specials = {s: i for s, i in added.items() if i not in bpe_ids}
         if template is None:
             template = "model" if chat_template else guess_template(specials, path)
-        return cls(os.path.dirname(os.path.abspath(path)), pat_str, ranks, specials, template, bos=bos,
-                   nfc=normalizer == "NFC", unk=model["vocab"].get(unk) if unk is not None else None,
+        return cls(os.path.dirname(os.path.abspath(path)), pat_str, ranks, specials, template,
+                   bos=bos,
+                   nfc=normalizer == "NFC", unk=model["vocab"].get(unk) if unk is not None
+                   else None,
                    fuse_unk=bool(model.get("fuse_unk")), chat_template=chat_template)
 
     @staticmethod
     def has_files(path):
-        return any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer.model"))
+        return any(os.path.exists(os.path.join(path, f))
+                   for f in ("tokenizer.json", "tokenizer.model"))
 
     @classmethod
     def from_dir(cls, path, template=None):
-        """A model folder's tokenizer.json, else its Llama-3 tokenizer.model; template None: its own, else guessed."""
+        """A model folder's tokenizer.json, else its Llama-3 tokenizer.model; template None: its
+        own, else guessed."""
         config_path = os.path.join(path, "tokenizer_config.json")
         config = {}
         if os.path.exists(config_path):
@@ -391,7 +451,8 @@ class Tokenizer:
         chat_template = read_chat_template(path, config)
         bos = token_text(config.get("bos_token"))
 
-        json_path, model_path = os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer.model")
+        json_path = os.path.join(path, "tokenizer.json")
+        model_path = os.path.join(path, "tokenizer.model")
         if os.path.exists(json_path):
             return cls.from_hf_json(json_path, template, chat_template, bos)
         if os.path.exists(model_path):
@@ -401,17 +462,20 @@ class Tokenizer:
 
 
 def weighed(messages, trained_from=0):
-    """OpenAI's fine-tuning "weight" on assistant messages (0: shown, not trained; 1: trained) -> (the messages
-    without it, the indices of the assistant messages trained: from trained_from on, weight 0 left out)."""
+    """OpenAI's fine-tuning "weight" on assistant messages (0: shown, not trained; 1: trained) ->
+    (the messages without it, the indices of the assistant messages trained: from trained_from on,
+    weight 0 left out)."""
     for i, m in enumerate(messages):
         weight = m.get("weight", 0)
         problem = (None if "weight" not in m else
-                   f"is on a {m['role']!r} message: only assistant messages take a weight, the others are never "
-                   f"trained — drop it" if m["role"] != "assistant" else
-                   f"is {weight!r}: OpenAI's weight is 0 (the reply is shown, not trained) or 1 (trained) — fix the "
-                   f"value" if type(weight) is not int or weight not in (0, 1) else
-                   "is 1, and the message is in the prompt here (DPO trains the chosen and rejected replies only) — "
-                   "set it to 0 or drop it" if weight and i < trained_from else None)
+                   f"is on a {m['role']!r} message: only assistant messages take a weight, the "
+                   "others are never trained — drop it" if m["role"] != "assistant" else
+                   f"is {weight!r}: OpenAI's weight is 0 (the reply is shown, not trained) or 1 "
+                   "(trained) — fix the value" if type(weight) is not int or weight not in (0, 1)
+                   else
+                   "is 1, and the message is in the prompt here (DPO trains the chosen and "
+                   "rejected replies only) — set it to 0 or drop it" if weight and i < trained_from
+                   else None)
         if problem:
             raise ValueError(f"messages[{i}].weight {problem}")
     trained = [i for i, m in enumerate(messages)
@@ -420,8 +484,9 @@ def weighed(messages, trained_from=0):
 
 
 def get_tokenizer(spec, template=None, **chat):
-    """'byte' -> the built-in byte-level tokenizer; anything else is a model folder. A tokenizer's .name is such a
-    spec ("byte" or the folder's absolute path), so get_tokenizer(tok.name) rebuilds it. chat: configure_chat's."""
+    """'byte' -> the built-in byte-level tokenizer; anything else is a model folder. A tokenizer's
+    .name is such a spec ("byte" or the folder's absolute path), so get_tokenizer(tok.name) rebuilds
+    it. chat: configure_chat's."""
     tok = Tokenizer.byte_level() if spec == "byte" else Tokenizer.from_dir(spec, template)
     return tok.configure_chat(**chat) if chat else tok
 
@@ -431,36 +496,3 @@ def utf8(text):
         return text.encode("utf-8")
     except UnicodeEncodeError:  # lone surrogates: replaced, as tiktoken's encode does
         return text.encode("utf-16", "surrogatepass").decode("utf-16", "replace").encode("utf-8")
-
-
-def split_regex(pre, unsupported):
-    """A tokenizer.json pre_tokenizer -> one tiktoken split regex, or raise if there is none."""
-    steps = pre.get("pretokenizers", []) if pre and pre.get("type") == "Sequence" else [pre or {}]
-    kinds = [s.get("type") for s in steps]
-    byte_level = steps[-1] if kinds[-1:] == ["ByteLevel"] else None
-    if byte_level is None or byte_level.get("add_prefix_space"):
-        raise unsupported("pre_tokenizer", f"{kinds} does not end in ByteLevel without add_prefix_space")
-    use_regex = byte_level.get("use_regex", True)
-    if kinds == ["ByteLevel"] and use_regex:  # GPT-2
-        return GPT2_PATTERN
-    if kinds == ["Split", "ByteLevel"] and not use_regex:  # Llama-3, Qwen2
-        split = steps[0]
-        pat = split.get("pattern", {}).get("Regex")
-        if pat is None or split.get("behavior") != "Isolated" or split.get("invert"):
-            raise unsupported("pre_tokenizer", f"Split {split} is not an isolated, non-inverted regex")
-        # Hugging Face keeps the text between matches as its own pieces; tiktoken would drop it,
-        # so the second alternative matches such a stretch (a no-op for patterns that cover all text)
-        return f"{pat}|(?:(?!(?:{pat}))[\\s\\S])+"
-    if kinds == ["Digits", "ByteLevel"] and use_regex:  # SmolLM2, StarCoder
-        # Digits cuts around digits, then GPT-2's regex runs on each stretch. As one regex: digits stand alone, and
-        # whitespace just before a digit is matched whole (the (?!\S) lookahead would keep its last space back).
-        digits = r"\p{N}" if steps[0].get("individual_digits") else r"\p{N}+"
-        return GPT2_PATTERN.replace(r" ?\p{N}+", digits).replace(r"\s+(?!\S)", r"\s+(?=\p{N})|\s+(?!\S)")
-    raise unsupported("pre_tokenizer", f"{kinds} cannot be expressed as one tiktoken split regex")
-
-
-def bytes_to_unicode():
-    """GPT-2's map from each byte to a printable character (how byte-level BPE vocabs are spelled)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in printable]  # control bytes and space, to 256.. so every token prints
-    return {b: chr(b) if b in printable else chr(256 + moved.index(b)) for b in range(256)}

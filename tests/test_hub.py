@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from nanopack import hub
-from conftest import ROOT, as_args, run_script, step_metrics
+from conftest import ROOT, as_args, step_metrics
 from hub_fixture import HubServer, dataset_repos, lay_out_cache, model_repo
 
 pytest.importorskip("huggingface_hub")

@@ -229,7 +229,7 @@ def test_bad_preference_data_is_one_clear_message(tmp_path, message):
     path.write_text(json.dumps(good) + "\n" + json.dumps(BAD_LINES[message]) + "\n")
     out = run([f"--out_dir={tmp_path / 'run'}", "--init_from=scratch", "--preset=tiny", f"--data={path}"], check=False)
     assert out.returncode != 0
-    assert f"bad.jsonl:2: " in out.stderr and message in out.stderr, out.stderr[-2000:]
+    assert "bad.jsonl:2: " in out.stderr and message in out.stderr, out.stderr[-2000:]
     assert "Traceback" not in out.stderr
 
 
