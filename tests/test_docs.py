@@ -52,7 +52,8 @@ def declared(script):
             for stmt in node.body if isinstance(node, ast.If) else [node]:  # sample.py keeps its keys under __main__
                 if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
                     keys.add(stmt.targets[0].id)
-        return keys | (declared(MACHINERY) if "machinery=keys" in text else set())
+        takes_machinery = script != MACHINERY and "machinery=keys" in text
+        return keys | (declared(MACHINERY) if takes_machinery else set())
     plan_keys = re.search(r"^PLAN_KEYS = dict\((.*)\)$", text, re.M)  # plan.py's own options
     return (set(re.findall(r"""add_argument\(\s*["']--([\w-]+)""", text)) | set(re.findall(r'"--(\w+)[="]', text))
             | set(re.findall(r"(\w+)=", plan_keys.group(1)) if plan_keys else []))
