@@ -20,6 +20,7 @@ import torch
 from nanopack import common
 import data.arithmetic as builtin_task
 from nanopack.checkpoint import export_hf, save_checkpoint
+from nanopack import keys
 from nanopack.configurator import configure
 from losses import LOSS_TYPES, STATS, dpo_loss, pair_stats, preference_loss
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
@@ -28,23 +29,16 @@ from nanopack.parallel import all_reduce_sum, fail, print0, sync_gradients, tear
 from nanopack.reference import Reference, cache_key, split_logps
 
 # -----------------------------------------------------------------------------
-# config: every global below can be set by a config/*.py file or --key=value
+# config: every global below can be set by a config/*.py file or --key=value, and so can the
+# machinery's keys (device, precision, parallelism, LoRA, reading records, wandb): nanopack/keys.py
 out_dir = "out/dpo"
 init_from = "out/sft/hf"  # what `python train_sft.py` leaves; any Hugging Face folder or hub name, 'scratch', 'resume'
-preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
-tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
-chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
 data = "builtin"  # 'builtin' (arithmetic pairs), records (.jsonl, .parquet, shards, glob, hub name), a prepared folder
-data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
 val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
-val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')
-fields = None  # records: their field names -> ours, e.g. 'conversation:messages', comma-separated
 max_len = 4096  # records only: longest sequence kept; longer ones follow `overlong`
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
-bad_records = "error"  # records only: one that fails to parse or render: 'error' (all counted, then stop) or 'skip'
 batch_size = 32  # preference pairs per optimizer step, all ranks together
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole pairs: chosen + rejected)
-context_parallel = 1  # ranks splitting each micro-batch's tokens (a pair up to this x microbatch_tokens long)
 max_iters = 0  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
 learning_rate = 2e-4  # the toy model; a pretrained init_from gets fine-tuning values (see configure below)
@@ -61,37 +55,22 @@ sft_weight = 1.0  # adds sft_weight * NLL per target token of the step's chosen 
 reference = "auto"  # 'cached': log-probs computed once, kept on disk; 'live': a frozen copy; 'adapters_off': the
 # policy with its LoRA adapters switched off (no copy, no cache); 'auto': adapters_off with LoRA, else cached
 prefix_sharing = True  # a pair's shared prompt is computed once (prompt | chosen | rejected), not twice: same numbers
-# the run's machinery, as in train_sft.py (see there what each key does)
-lora_rank = 0
-lora_alpha = None
-lora_dropout = 0.0
-lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-quantize_base = ""
-seed = 1337
-device = "auto"
-dtype = "auto"
-compile = "auto"
-activation_checkpointing = False
-parallel = "ddp"
+# logging and evaluation, as in train_sft.py (see there what each key does)
 log_interval = 10
 eval_interval = 16  # evaluate (val loss, reward accuracy; built-in: accuracy, style) and checkpoint; 0 = at the end
 eval_examples = 200
 val_fraction = 0.01
-max_bad_steps = 3
-overwrite = False
-dist_timeout = 300
-wandb_log = False
-wandb_project = "nanopack"
 wandb_run_name = "dpo"
 # A pretrained init_from gets these for keys not set: Zephyr's and Tulu's DPO of 7-8B models (lr 5e-7, beta 0.1);
 # the toy values above (lr 2e-4, beta 2) drive a real model to loss 0 and silence within a few steps
-config = configure(globals(), finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0), rules=dict(
-    common.RULES, loss_type=LOSS_TYPES, reference=("auto", "cached", "live", "adapters_off"), beta="(0, inf)",
-    label_smoothing="[0, 0.5)", sft_weight="[0, inf)"))
+config = configure(globals(), machinery=keys, rules=dict(
+    keys.RULES, loss_type=LOSS_TYPES, reference=("auto", "cached", "live", "adapters_off"),
+    beta="(0, inf)", label_smoothing="[0, 0.5)", sft_weight="[0, inf)"),
+    finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0))
 if label_smoothing and loss_type in ("ipo", "hinge", "apo_zero", "bco_pair"):
     fail(f"config error: label_smoothing={label_smoothing}; it must be 0 for loss_type='{loss_type}' (it has no "
          f"label noise term)")
-if reference == "adapters_off" and not lora_rank:
+if reference == "adapters_off" and not config["lora_rank"]:
     fail("config error: reference='adapters_off'; 'adapters_off' is the base model under the adapters: it needs "
          "lora_rank > 0")
 # -----------------------------------------------------------------------------
@@ -100,15 +79,15 @@ run = common.setup(config, "dpo", builtin_sizes=dict(n_train=2048, n_val=200))  
 model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.optimizer, run.loader, run.device
 iter_num, max_iters, world_size = run.start_iter, run.max_iters, run.world_size
 ref_mode = "none" if loss_type == "simpo" else (reference if reference != "auto" else
-                                                "adapters_off" if lora_rank else "cached")
+                                                "adapters_off" if config["lora_rank"] else "cached")
 print0(f"DPO: {loss_type} loss, beta {beta}, reference {ref_mode}")
 if loader.prefix is not None:  # what computing each shared prompt once saves, over the train split
     shared = loader.prefix[1::2]  # each pair's rejected: what it shares with its chosen
     print0(f"prefix sharing: {(shared > 0).sum():,} of {len(shared):,} pairs share a prefix (mean "
            f"{shared.mean():.1f} tokens): {int(run.train_data['offsets'][-1]):,} -> {loader.lengths.sum():,} "
            f"tokens per epoch")
-logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
-                       resume_iter=iter_num if init_from == "resume" else None)
+logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name,
+                       config, resume_iter=iter_num if init_from == "resume" else None)
 
 # ---- reference log-probs: computed once from the initial weights (or a live frozen copy of them)
 t_ref = time.perf_counter()
@@ -155,8 +134,9 @@ def evaluate():
                    val_reward_margin=(rewards_c - rewards_r).mean().item())
     if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the preferred style
         model.eval()
+        sync_ranks = config["parallel"] == "fsdp" and world_size > 1
         out.update(builtin_task.evaluate(raw_model, run.tok, eval_examples, run.autocast,
-                                         sync_ranks=parallel == "fsdp" and world_size > 1))
+                                         sync_ranks=sync_ranks))
         model.train()
     parts = [f"val loss {out['val_loss']:.4f} | val reward accuracy {100 * out['val_reward_accuracy']:.1f}% | "
              f"val margin {out['val_reward_margin']:.3f}"] if "val_loss" in out else []

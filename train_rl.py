@@ -29,6 +29,7 @@ import torch
 
 from nanopack import common
 from nanopack.checkpoint import export_hf, save_checkpoint
+from nanopack import keys
 from nanopack.configurator import configure
 from data.dataset import read_prompts
 from nanopack.generate import generate
@@ -40,18 +41,12 @@ from nanopack.reference import Reference
 from nanopack.rewards import RewardError, Rewards
 
 # -----------------------------------------------------------------------------
-# config: every global below can be set by a config/*.py file or --key=value
+# config: every global below can be set by a config/*.py file or --key=value, and so can the
+# machinery's keys (device, precision, parallelism, LoRA, reading records, wandb): nanopack/keys.py
 out_dir = "out/rl"
 init_from = "out/dpo/hf"  # what `python train_dpo.py` leaves; any Hugging Face folder or hub name, 'scratch', 'resume'
-preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
-tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder if it has them, else 'byte'
-chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
 data = "builtin"  # 'builtin' (the arithmetic task's hard split) or records {"prompt" or "messages", reward fields}
-data_split = None  # records: the split of a folder holding several (e.g. 'train'), by file-name prefix
 val_data = None  # records: held-out prompts for evaluation (builtin: the hard split's val chats)
-val_split = None  # records: the split of a val_data folder holding several (e.g. 'test')
-fields = None  # records: their field names -> ours, e.g. 'question:prompt' (GSM8K), comma-separated
-bad_records = "error"  # a record that cannot be read or scored (e.g. its answer): 'error' or 'skip'
 reward = "builtin"  # 'builtin' (exact answer), 'math' (math-verify) or 'module:function' (see rewards.py); 'a,b': both
 reward_weights = None  # one per reward, e.g. 1,0.5: the total reward is their weighted sum; default: 1 each
 k = 8  # replies sampled per prompt (a group)
@@ -78,32 +73,15 @@ kl_coef = 0.0  # the GRPO family: weight of the k3 estimate of KL to the initial
 updates_per_batch = 1  # optimizer steps taken on each step's samples
 prefix_sharing = True  # each prompt computed once for its group, not k times: same numbers
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole groups)
-context_parallel = 1  # ranks splitting each training micro-batch's tokens (generation runs without: see sample())
 max_iters = 100  # steps (sample, then updates_per_batch updates)
 learning_rate = 2e-4  # the toy model; a pretrained init_from gets fine-tuning values (see configure below)
 min_lr = 2e-5
 warmup_iters = 5
 weight_decay = 0.0
 grad_clip = 1.0
-# the run's machinery, as in train_sft.py (see there what each key does)
-lora_rank = 0
-lora_alpha = None
-lora_dropout = 0.0
-lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"
-quantize_base = ""
-seed = 1337
-device = "auto"
-dtype = "auto"
-compile = "auto"
-activation_checkpointing = False
-parallel = "ddp"
+# evaluation and logging
 eval_examples = 200
 eval_interval = 10  # evaluate (greedy replies to held-out prompts: reward, accuracy) and checkpoint; 0 = at the end
-max_bad_steps = 3
-overwrite = False
-dist_timeout = 300
-wandb_log = False
-wandb_project = "nanopack"
 wandb_run_name = "rl"
 # `loss` names the values of the keys above it not set explicitly (TRL 1.16's settings, the papers' clip ranges)
 GRPO = dict(loss_aggregation="reply_mean", scale_rewards="group", clip_eps=0.2, clip_eps_high=0.2,
@@ -123,13 +101,14 @@ READ_BY = {key: ("loss", FAMILY, "") for key in ("loss_aggregation", "scale_rewa
 READ_BY["kl_coef"] = ("loss", FAMILY, "beta weighs online DPO's reference")
 READ_BY["beta"] = ("loss", ("online_dpo",), "kl_coef is the KL weight here; beta is online DPO's")
 # Starting from a pretrained model, keys not set explicitly take these instead (TRL's GRPO default rate)
-config = configure(globals(), finetune=dict(learning_rate=1e-6, min_lr=1e-7), presets=dict(loss=PRESETS), rules=dict(
-    common.RULES, loss=(*FAMILY, "online_dpo"), k="[2, inf)",
+config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, min_lr=1e-7),
+                   presets=dict(loss=PRESETS), read_by=READ_BY, rules=dict(
+    keys.RULES, loss=(*FAMILY, "online_dpo"), k="[2, inf)",
     prompts_per_step="[1, inf)", temperature="(0, inf)", top_p="(0, 1]", max_new_tokens="[1, inf)", beta="(0, inf)",
     loss_aggregation=("reply_mean", "token_mean", "constant"), scale_rewards=("group", "batch", "none"),
     clip_eps="(0, inf)", clip_eps_high="(0, inf)", importance_sampling_level=("token", "sequence"),
     clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)", updates_per_batch="[1, inf)",
-    max_iters="[1, inf)"), read_by=READ_BY)
+    max_iters="[1, inf)"))
 # -----------------------------------------------------------------------------
 
 
@@ -147,7 +126,8 @@ except RewardError as e:
 run = common.setup(config, "rl")
 model, raw_model, optimizer, device, tok = run.model, run.raw_model, run.optimizer, run.device, run.tok
 iter_num, max_iters, world_size, rank = run.start_iter, run.max_iters, run.world_size, run.rank
-sync_ranks = parallel == "fsdp" and world_size > 1  # FSDP2: every forward of generation is a collective
+# FSDP2: every forward of generation is a collective
+sync_ranks = config["parallel"] == "fsdp" and world_size > 1
 first_of_group = run.cp.rank == 0  # what a CP group's ranks hold alike (its groups, pairs) is counted by this one
 stop_ids = set(tok.stop_ids)
 
@@ -155,7 +135,7 @@ stop_ids = set(tok.stop_ids)
 def fits(ids, where):
     """A prompt's group must fit one micro-batch and its replies the model's positions, whatever they sample."""
     group = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
-    too_many = group > microbatch_tokens * context_parallel  # else too many positions
+    too_many = group > microbatch_tokens * config["context_parallel"]  # else too many positions
     if len(ids) + max_new_tokens > raw_model.config.max_seq_len or too_many:
         fail(f"data error: {where}: the prompt has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and k={k} "
              f"its group needs up to {group} tokens, its replies {len(ids) + max_new_tokens} positions "
@@ -171,11 +151,12 @@ def scorable(record_fields, where):
 
 
 try:
-    train_prompts = read_prompts(data, None, tok, fits, data_split, "data_split", fields, scorable,
-                                 bad_records)
+    train_prompts = read_prompts(data, None, tok, fits, config["data_split"], "data_split",
+                                 config["fields"], scorable, config["bad_records"])
     has_val = eval_examples and (val_data or data == "builtin")
-    val_prompts = read_prompts(val_data or data, eval_examples, tok, fits, val_split, "val_split", fields,
-                               scorable, bad_records) if has_val else []
+    val_prompts = read_prompts(val_data or data, eval_examples, tok, fits, config["val_split"],
+                               "val_split", config["fields"], scorable,
+                               config["bad_records"]) if has_val else []
     for _, _, record_fields, where in train_prompts + val_prompts:  # the built-in task's too
         reward_fns.check_fields(record_fields, where)
 except RewardError as e:
@@ -186,14 +167,15 @@ knobs = [*PRESETS["grpo"], "kl_coef"] if policy else ["beta", "dynamic_sampling"
 knobs += ["max_extra_rounds"] * dynamic_sampling
 print0(f"RL: {loss} loss ({', '.join(f'{key}={config[key]}' for key in knobs)}), {len(train_prompts)} train prompts, "
        f"{prompts_per_step} x {k} replies per step, reward {reward_fns}, {len(val_prompts)} held-out prompts")
-logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
-                       resume_iter=iter_num if init_from == "resume" else None)
-ref = Reference.of_model("adapters_off" if lora_rank else "live", run) if loss == "online_dpo" or kl_coef else None
+logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name,
+                       config, resume_iter=iter_num if init_from == "resume" else None)
+ref_mode = "adapters_off" if config["lora_rank"] else "live"
+ref = Reference.of_model(ref_mode, run) if loss == "online_dpo" or kl_coef else None
 
 
 @lru_cache(maxsize=2)
 def permutation(epoch):
-    return np.random.default_rng((seed, epoch)).permutation(len(train_prompts))
+    return np.random.default_rng((config["seed"], epoch)).permutation(len(train_prompts))
 
 
 def score(prompts, replies, num_samples):
@@ -214,7 +196,8 @@ def sample(first):
     prompts, k token lists per prompt, rewards (G, k), each reward function's (G * k, F), seconds in `reward`)."""
     mine = list(range(first + run.cp.data_rank, first + prompts_per_step, run.cp.data_size))
     prompts = [train_prompts[permutation(i // len(train_prompts))[i % len(train_prompts)]] for i in mine]
-    gens = [torch.Generator(device).manual_seed(hash((seed, i, j)) % 2**63) for i in mine for j in range(k)]
+    gens = [torch.Generator(device).manual_seed(hash((config["seed"], i, j)) % 2**63)
+            for i in mine for j in range(k)]
     model.eval()
     with run.autocast:
         replies = generate(raw_model, [p[0] for p in prompts], max_new_tokens, tok.stop_ids, temperature,
@@ -310,7 +293,8 @@ def training_batches(prompts, replies, rewards):
         size, masks, per_reply = 2, None, None
     data = group_data([prompts[g][0] for g in keep], groups, masks)
     prefix = shared_prefixes(data, size) if prefix_sharing else None
-    bins = rank_bins(np.arange(len(keep)), unit_lengths(data, size, prefix), microbatch_tokens * context_parallel)
+    bins = rank_bins(np.arange(len(keep)), unit_lengths(data, size, prefix),
+                     microbatch_tokens * config["context_parallel"])
     n_forwards = all_reduce_max(len(bins))  # each rank's groups are its own: the busiest rank's count
     mbs = [run.cp.split(make_batch(data, b, size, prefix)) for b in bins + [[]] * (n_forwards - len(bins))]
     return mbs, size, per_reply, max(normaliser, 1), trained, int(np.diff(data["offsets"]).sum()) * first_of_group

@@ -18,31 +18,25 @@ import torch
 from nanopack import common
 import data.arithmetic as builtin_task
 from nanopack.checkpoint import export_hf, save_checkpoint
+from nanopack import keys
 from nanopack.configurator import configure
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import IGNORE_INDEX, layout, make_batch, rank_bins
 from nanopack.parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
 
 # -----------------------------------------------------------------------------
-# config: every global below can be set by a config/*.py file or --key=value
+# config: every global below can be set by a config/*.py file or --key=value, and so can the
+# machinery's keys (device, precision, parallelism, LoRA, reading records, wandb): nanopack/keys.py
 out_dir = "out/sft"
 init_from = "scratch"  # 'scratch' (a `preset`), a Hugging Face folder or hub name (org/name[@revision]), or 'resume'
-preset = "toy"  # the model shape for init_from='scratch', from model.PRESETS
-tokenizer = ""  # 'byte', or a folder with tokenizer files; default: init_from's folder, else 'byte'
 data = "builtin"  # 'builtin' (arithmetic chats), records (.jsonl, .parquet, shards, glob, hub name), a prepared folder
-data_split = None  # records: the split of a folder holding several (e.g. 'train_prefs'), by file-name prefix
 val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
-val_split = None  # records: the split of a val_data folder holding several (e.g. 'test_prefs')
-fields = None  # records: their field names -> ours, e.g. 'conversation:messages', comma-separated
 max_len = 4096  # records only: longest example kept; longer ones follow `overlong`
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
-bad_records = "error"  # records only: one that fails to parse or render: 'error' (all counted, then stop) or 'skip'
-chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
 reasoning_turns = "conversation"  # records: 'each' also trains every turn rendered without its reasoning on its own
 prefix_sharing = True  # reasoning_turns='each': a conversation's shared history computed once
 batch_size = 32  # examples per optimizer step, all ranks together ('each': conversations)
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
-context_parallel = 1  # ranks splitting each micro-batch's tokens (a sequence up to this x microbatch_tokens long)
 max_iters = 1100  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
 learning_rate = 5e-3  # the toy model from scratch; a pretrained init_from gets fine-tuning values (see configure below)
@@ -51,41 +45,24 @@ warmup_iters = 20
 weight_decay = 0.1
 grad_clip = 1.0
 loss_weighting = "token"  # 'token': every target token counts the same; 'sequence': every example does
-# LoRA (0 = full fine-tuning): adapters of rank lora_rank on the block's linear layers, the base frozen; exported both
-# merged (out_dir/hf) and as a PEFT folder (out_dir/adapter). QLoRA: quantize_base='nf4' keeps the base in 4 bits.
-lora_rank = 0
-lora_alpha = None  # the adapters' output is scaled by lora_alpha / lora_rank; None = 2 x lora_rank
-lora_dropout = 0.0  # on the adapters' input, while training
-lora_targets = "q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj"  # Hugging Face names, comma-separated
-quantize_base = ""  # '' or 'nf4' (pip install torchao; one process)
-seed = 1337
-device = "auto"  # 'auto', 'cpu', 'cuda'
-dtype = "auto"  # 'auto' = bfloat16 on CUDA, float32 on CPU
-compile = "auto"  # True, False, or 'auto': on with CUDA, off on CPU (slower there)
-activation_checkpointing = False
-parallel = "ddp"  # 'ddp' or 'fsdp' (used when launched with torchrun on more than one process)
 log_interval = 10
 eval_interval = 275  # evaluate (val loss; built-in: exact-match accuracy, style) and checkpoint; 0 = at the end
 eval_examples = 200  # built-in task: held-out prompts answered greedily for accuracy
 val_fraction = 0.01  # records only: the share of lines held out for val loss
-max_bad_steps = 3  # a step with a non-finite loss or gradient norm is skipped; this many in a row stop the run
-overwrite = False  # a fresh run into an out_dir that holds a run (ckpt.pt) is an error unless this is True
-dist_timeout = 300  # seconds a collective may wait for the other ranks before failing (a stalled rank)
-wandb_log = False
-wandb_project = "nanopack"
 wandb_run_name = "sft"
 # A pretrained init_from (its own tokenizer) gets these for keys not set: AdamW at ~1e-5-2e-5, cosine decay, as the
 # published SFT recipes for 0.1-8B models (Tulu 3, Zephyr, SmolLM2)
-config = configure(globals(), finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20, weight_decay=0.0,
-                                            max_iters=0, epochs=2.0),
-                   rules=dict(common.RULES, reasoning_turns=("conversation", "each")))
+config = configure(globals(), machinery=keys,
+                   rules=dict(keys.RULES, reasoning_turns=("conversation", "each")),
+                   finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20, weight_decay=0.0,
+                                 max_iters=0, epochs=2.0))
 # -----------------------------------------------------------------------------
 
 run = common.setup(config, "sft")
 model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.optimizer, run.loader, run.device
 iter_num, max_iters, world_size = run.start_iter, run.max_iters, run.world_size
-logger = MetricsLogger(out_dir, wandb_log, wandb_project, wandb_run_name, config,
-                       resume_iter=iter_num if init_from == "resume" else None)
+logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name,
+                       config, resume_iter=iter_num if init_from == "resume" else None)
 
 
 def microbatch_loss(mb, normaliser):
@@ -110,7 +87,8 @@ def evaluate():
     val, prefix, lengths, _ = val_layout  # as training lays out its split
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     n_targets = 0
-    for units in rank_bins(np.arange(len(lengths)), lengths, microbatch_tokens * context_parallel, run.cp.data_rank,
+    budget = microbatch_tokens * config["context_parallel"]
+    for units in rank_bins(np.arange(len(lengths)), lengths, budget, run.cp.data_rank,
                            run.cp.data_size):
         mb = run.cp.split(make_batch(val, units, 1, prefix))
         n_targets += mb.num_target_tokens
@@ -121,8 +99,9 @@ def evaluate():
         total_loss, total_targets = all_reduce_sum([loss_sum.item(), n_targets], device)
         out["val_loss"] = total_loss / max(total_targets, 1)
     if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the plain style
+        sync_ranks = config["parallel"] == "fsdp" and world_size > 1
         out.update(builtin_task.evaluate(raw_model, run.tok, eval_examples, run.autocast,
-                                         sync_ranks=parallel == "fsdp" and world_size > 1))
+                                         sync_ranks=sync_ranks))
     model.train()
     parts = [f"val loss {out['val_loss']:.4f}"] if "val_loss" in out else []
     parts += [f"val accuracy {100 * out['val_accuracy']:.1f}% | plain style {100 * out['val_preferred']:.1f}%"
@@ -134,7 +113,7 @@ def evaluate():
 
 
 # ---- the loop
-val_layout = layout(run.val_data, microbatch_tokens * context_parallel, 1, prefix_sharing)
+val_layout = layout(run.val_data, microbatch_tokens * config["context_parallel"], 1, prefix_sharing)
 if loader.prefix is not None:  # reasoning_turns='each': what computing each conversation's history once saves
     print0(f"prefix sharing: {int(loader.whole.sum()):,} tokens laid out whole -> {int(loader.lengths.sum()):,} "
            f"computed ({loader.whole.sum() / loader.lengths.sum():.2f}x fewer)")

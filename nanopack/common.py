@@ -1,7 +1,7 @@
 """
-One way to build a training run, so that each train_*.py holds only its own loop: setup() returns a Run; RULES for the
-keys setup reads; StepGuard skips non-finite updates and has the ranks agree on a stop (parallel.StopSignal), which
-the scripts turn into a checkpoint.
+One way to build a training run, so that each train_*.py holds only its own loop: setup() returns
+a Run (the rules of the keys it reads: nanopack/keys.py); StepGuard skips non-finite updates and
+has the ranks agree on a stop (parallel.StopSignal), which the scripts turn into a checkpoint.
 """
 import glob
 import math
@@ -19,24 +19,14 @@ from nanopack.checkpoint import (EXPORT_NEW, EXPORT_OLD, EXPORT_TMP, all_finite,
                         restore_checkpoint)
 from nanopack import context
 from data.dataset import check_fits, check_kind, ignored_keys_note, load_data, prepare_data, turn_examples_note
-from data.prepare import BAD_RECORDS, OVERLONG
 from nanopack import lora
 from nanopack.hf import fingerprint, from_pretrained, load_hf_weights, read_hf_config
 from nanopack import hub
-from model import PRESETS, ModelConfig, Transformer, attention_backend, config_from_preset
+from model import ModelConfig, Transformer, attention_backend, config_from_preset
 from packing import PackedLoader
 from nanopack.parallel import (fail, lock_out_dir, precision, print0, setup_distributed, stop_signal,
                                teardown_distributed, wrap_model)
 from nanopack.tokenizer import Tokenizer, get_tokenizer
-
-RULES = dict(  # configurator.check_rule: the choices or the interval of each key setup() reads
-    device=("auto", "cpu", "cuda"), dtype=("auto", "bfloat16", "float32"), compile=("auto", True, False),
-    parallel=("ddp", "fsdp"), preset=tuple(PRESETS), overlong=OVERLONG, loss_weighting=("token", "sequence"),
-    batch_size="[1, inf)", microbatch_tokens="[1, inf)", max_len="[1, inf)", max_iters="[0, inf)", epochs="(0, inf)",
-    learning_rate="(0, inf)", min_lr="[0, learning_rate]", warmup_iters="[0, inf)", weight_decay="[0, inf)",
-    grad_clip="[0, inf)", lora_rank="[0, inf)", lora_dropout="[0, 1)", seed="[0, 2**32)", val_fraction="[0, 1)",
-    log_interval="[1, inf)", eval_interval="[0, inf)", eval_examples="[0, inf)", max_bad_steps="[1, inf)",
-    dist_timeout="[1, inf)", context_parallel="[1, inf)", bad_records=BAD_RECORDS)
 
 
 @dataclass
@@ -136,7 +126,8 @@ def clip_grad_norm(model, max_norm):
 
 
 def check_run(c, kind):
-    """What RULES cannot say, before any data is tokenized or model loaded: one `config error:` line each."""
+    """What keys.RULES cannot say, before any data is tokenized or model loaded: one
+    `config error:` line each."""
     if c["device"] == "cuda" and not torch.cuda.is_available():
         fail("config error: device='cuda'; this machine has no CUDA GPU (torch.cuda.is_available() is False); use "
              "'auto' or 'cpu'")

@@ -1,9 +1,11 @@
 """
 nanoGPT-style configuration: a script keeps its config as plain globals at the top, then calls
-`config = configure(globals(), rules=...)`, which applies every config/*.py file named on the command line, then every
---key=value. Only keys the script defines can be set, each with the type of its default (None or 'auto': any type),
-and each value must pass the script's rules: a tuple of choices, or an interval such as "[1, inf)" (its ends may name
-other keys: "[0, learning_rate]"). --help prints the config block with its comments: it is the documentation.
+`config = configure(globals(), machinery=keys, rules=...)`, which applies every config/*.py file
+named on the command line, then every --key=value. Only keys the script defines, or the machinery
+module (nanopack/keys.py) declares, can be set, each with the type of its default (None or 'auto':
+any type), and each value must pass the script's rules: a tuple of choices, or an interval such as
+"[1, inf)" (its ends may name other keys: "[0, learning_rate]"). --help prints the config block
+with its comments, then the machinery's: it is the documentation.
 init_from='resume' takes the run's saved config; FIXED_ON_RESUME keys cannot change.
 """
 import ast
@@ -32,8 +34,9 @@ def _check(config, key, value, text, where):
     if key not in config:
         close = [k for k in config if k.split("_")[0] == key.split("_")[0]][:5]
         hint = f" (similar: {', '.join(close)})" if close else ""
-        raise ConfigError(f"{where}: unknown config key {key!r}{hint}; the keys are the globals at the top of the "
-                          f"script (--help lists them)")
+        raise ConfigError(f"{where}: unknown config key {key!r}{hint}; the keys are the globals "
+                          f"at the top of the script and those of nanopack/keys.py (--help lists "
+                          f"them)")
     default = config[key]
     if default in (None, "auto"):
         return value  # None and 'auto' defaults take values of other types too; the rules check them
@@ -68,15 +71,32 @@ def _parse(text):
         return text  # a bare word is a string: --init_from=resume
 
 
-def configure(config, argv=None, finetune=None, rules=None, presets=None, read_by=None):
-    """Update `config` (a script's globals()) in place from argv (and a resumed run's saved config) -> the checked
-    values. finetune: values for keys argv does not set when starting from a pretrained model; presets: {key: {value:
-    {key: default}}}, the defaults a key's value names (train_rl.py's loss) for keys argv does not set."""
+def configure(script, argv=None, finetune=None, rules=None, presets=None, read_by=None,
+              machinery=None):
+    """Update `script` (a script's globals()) in place from argv (and a resumed run's saved config)
+    -> the checked values, the machinery module's keys among them. finetune: values for keys argv
+    does not set when starting from a pretrained model; presets: {key: {value: {key: default}}},
+    the defaults a key's value names (train_rl.py's loss) for keys argv does not set."""
     # read_by: {key: (other key, its values that read key, a hint)}: key set with another, an error
     argv = sys.argv[1:] if argv is None else argv
+    # the script's own keys first; a key the script declares wins over the machinery's
+    config = dict(script, **{k: v for k, v in declared(machinery).items() if k not in script})
     if {"-h", "--help"} & set(argv):
-        print_help(config, presets)
+        print_help(config, presets, machinery)
         raise SystemExit(0)
+    values = read_values(config, argv, finetune, rules, presets, read_by)
+    # the script reads its own keys as globals, the machinery's from the values
+    script.update((k, v) for k, v in values.items() if k in script)
+    return values
+
+
+def declared(module):
+    """The config keys a module (nanopack/keys.py) declares, with their defaults."""
+    return {k: v for k, v in vars(module).items() if is_key(k, v)} if module else {}
+
+
+def read_values(config, argv, finetune, rules, presets, read_by):
+    """Update `config` in place from argv and a resumed run -> the checked values."""
     given = set()  # keys set by argv: a config file or --key=value
     try:
         values, reads = apply_overrides(config, argv, given), None
@@ -99,7 +119,7 @@ def configure(config, argv=None, finetune=None, rules=None, presets=None, read_b
                 print(f"fine-tuning a pretrained model: {', '.join(f'{k}={v}' for k, v in chosen.items())} "
                       f"(defaults for real models; set them to change)", flush=True)
         for key, rule in (rules or {}).items():
-            if key in values:  # shared rules (common.RULES) name keys some scripts lack
+            if key in values:  # shared rules (keys.RULES) name keys some scripts lack
                 check_rule(values, key, rule)
         check_read(values, given, read_by or {})
     except ConfigError as e:
@@ -149,9 +169,26 @@ def check_rule(c, key, rule):
     raise ConfigError(f"{key}={value!r}; it must be {need}")
 
 
-def print_help(config, presets=None):
-    """The script's config block as written, each key with its value now, then the presets' values."""
+def print_help(config, presets=None, machinery=None):
+    """The script's config block as written, each key with its value now, then the machinery's
+    block, then the presets' values."""
     path = config.get("__file__", sys.argv[0])
+    print(f"{os.path.basename(path)}: set a key with --key=value, or in a config file named "
+          f"before them. The keys:")
+    print_block(path, config)
+    if machinery:
+        where = machinery.__name__.replace(".", "/") + ".py"
+        print(f"The machinery keys, the same in every training script ({where}):")
+        print_block(machinery.__file__, config)
+    for key, table in (presets or {}).items():
+        print(f"Presets of --{key} (a key set explicitly wins):")
+        for value, defaults in table.items():
+            print(f"    {value}: " + " ".join(f"--{k}={v!r}" for k, v in defaults.items()))
+
+
+def print_block(path, config):
+    """The file at `path` from the comments above its first key to its last key: each key with
+    its value in `config` and its comment, and the comment lines between."""
     lines = open(path).read().splitlines()
     keys = {stmt.lineno: stmt.targets[0].id for node in ast.parse("\n".join(lines)).body
             for stmt in (node.body if isinstance(node, ast.If) else [node])  # sample.py keeps its keys under __main__
@@ -160,17 +197,12 @@ def print_help(config, presets=None):
     first = min(keys)
     while lines[first - 2].strip().startswith("#"):  # the comments above the first key
         first -= 1
-    print(f"{os.path.basename(path)}: set a key with --key=value, or in a config file named before them. The keys:")
     for n in range(first, max(keys) + 1):
         line = lines[n - 1]
         if n in keys:
             print(f"  --{keys[n]}={config[keys[n]]!r}  {line[line.find('#'):] if '#' in line else ''}".rstrip())
         elif line.strip().startswith("#") and "-----" not in line:
             print(f"  {line.strip()}")
-    for key, table in (presets or {}).items():
-        print(f"Presets of --{key} (a key set explicitly wins):")
-        for value, defaults in table.items():
-            print(f"    {value}: " + " ".join(f"--{k}={v!r}" for k, v in defaults.items()))
 
 
 def pretrained(init_from):

@@ -137,14 +137,16 @@ def worst_case_data(c, group_size, max_seq_len, gpus):
 
 
 def config_keys(script):
-    """The config keys of a training script: the names its top level assigns (`name = default`). A script that runs no
-    step through common.setup and common.set_lr (sample.py, plot.py) cannot be planned: one line says so."""
+    """The config keys of a training script: the names its top level assigns (`name = default`)
+    and the machinery's (nanopack/keys.py). A script that runs no step through common.setup and
+    common.set_lr (sample.py, plot.py) cannot be planned: one line says so."""
+    from nanopack import keys
     with open(script) as f:
         text = f.read()
     if not all(f"common.{name}(" in text for name in ("setup", "set_lr")):
         raise SystemExit(f"plan.py: {script} is not a training script (it calls no common.setup and common.set_lr, "
                          f"whose step a plan runs); plan train_sft.py, train_dpo.py, train_rl.py or a copy of one")
-    return set(re.findall(r"^(\w+) = ", text, re.M))
+    return set(re.findall(r"^(\w+) = ", text, re.M)) | set(configurator.declared(keys))
 
 
 def plan_step(script, args, gpus=1, device="cuda", fake=True):

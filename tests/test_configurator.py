@@ -1,3 +1,4 @@
+import ast
 import re
 import subprocess
 import sys
@@ -5,7 +6,8 @@ import sys
 import pytest
 
 from conftest import ROOT
-from nanopack.configurator import ConfigError, apply_overrides, configure
+from nanopack import keys
+from nanopack.configurator import ConfigError, apply_overrides, configure, declared, is_key
 
 
 def defaults():
@@ -111,6 +113,44 @@ def test_help_lists_every_key_with_its_default_and_comment(script):
     keys = [line.split("=")[0].strip() for line in out.stdout.splitlines() if line.startswith("  --")]
     assert "--seed" in keys and len(keys) == len(set(keys)) >= 10
     assert ("--max_new_tokens" in keys) == (script in ("train_rl.py", "sample.py"))
+    # the machinery's keys after the script's own, in every training script
+    assert ("--wandb_project" in keys) == script.startswith("train_")
     if script == "train_sft.py":
         assert "  --batch_size=32  # examples per optimizer step, all ranks together" in out.stdout
         assert "  # LoRA (0 = full fine-tuning)" in out.stdout  # a comment of the block, as written
+
+
+def own_keys(script):
+    """The keys a training script declares itself: its globals above `config = configure(`."""
+    text = open(f"{ROOT}/{script}").read()
+    block = text[:text.index("\nconfig = configure(")]
+    return {node.targets[0].id for node in ast.parse(block).body if isinstance(node, ast.Assign)
+            and isinstance(node.targets[0], ast.Name) and is_key(node.targets[0].id, 0)}
+
+
+@pytest.mark.parametrize("script", ["train_sft.py", "train_dpo.py", "train_rl.py"])
+def test_machinery_keys_are_declared_once(script):
+    """A training script declares its own keys (at most 35), none of nanopack/keys.py's, and
+    takes both."""
+    own, machinery = own_keys(script), set(declared(keys))
+    assert len(own) <= 35 and not own & machinery, (len(own), own & machinery)
+    assert "machinery=keys" in open(f"{ROOT}/{script}").read()
+
+
+def test_a_machinery_key_is_set_by_a_file_or_an_argument_and_checked(tmp_path):
+    """The machinery's keys come back in the values, set as the script's own are; the script's
+    globals keep only the script's keys."""
+    config_file = tmp_path / "c.py"
+    config_file.write_text("seed = 7\nbatch_size = 8\n")
+    script = defaults()
+    values = configure(script, [str(config_file), "--device=cpu", "--max_iters=3"], machinery=keys,
+                       rules=keys.RULES)
+    assert values["seed"] == 7 and values["device"] == "cpu"
+    assert values["wandb_project"] == "nanopack"
+    assert script == dict(defaults(), batch_size=8, max_iters=3)
+    for argv, message in (
+            (["--dtype=float16"], "dtype='float16'; choose one of auto, bfloat16, float32"),
+            (["--seed=-1"], "seed=-1; it must be in [0, 2**32)"),
+            (["--lora_rnk=4"], "unknown config key 'lora_rnk' (similar: lora_rank, lora_alpha")):
+        with pytest.raises(SystemExit, match=re.escape(message)):
+            configure(defaults(), argv, machinery=keys, rules=keys.RULES)

@@ -14,6 +14,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAGES = ["README.md"] + sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROOT, "docs", "*.md")))
 CONFIGURED = ("train_sft.py", "train_dpo.py", "train_rl.py", "sample.py")  # keys: configurator globals
+# the keys every training script takes besides its own (configure(globals(), machinery=keys))
+MACHINERY = "nanopack/keys.py"
 HELP = CONFIGURED + ("plan.py", "plot.py", "data/prepare.py")
 LAUNCHERS = {"torchrun": "--", "launch.py": "--"}  # options before the script are the launcher's
 
@@ -41,15 +43,17 @@ def commands(text):
 
 
 def declared(script):
-    """The --keys a script takes: its configurator globals, or its argparse options (and plan.py's own)."""
+    """The --keys a script takes: its configurator globals (and the machinery's, for a script that
+    passes them), or its argparse options (and plan.py's own)."""
     text = read(script)
-    if script in CONFIGURED:
+    if script in CONFIGURED + (MACHINERY,):
         keys = set()
         for node in ast.parse(text).body:
             for stmt in node.body if isinstance(node, ast.If) else [node]:  # sample.py keeps its keys under __main__
                 if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name):
                     keys.add(stmt.targets[0].id)
-        return keys
+        takes_machinery = script != MACHINERY and "machinery=keys" in text
+        return keys | (declared(MACHINERY) if takes_machinery else set())
     plan_keys = re.search(r"^PLAN_KEYS = dict\((.*)\)$", text, re.M)  # plan.py's own options
     return (set(re.findall(r"""add_argument\(\s*["']--([\w-]+)""", text)) | set(re.findall(r'"--(\w+)[="]', text))
             | set(re.findall(r"(\w+)=", plan_keys.group(1)) if plan_keys else []))

@@ -18,7 +18,7 @@ FLOORS = [  # lowest first: a module may import only from floors below its own
     ("data.arithmetic", "nanopack.lora", "nanopack.metrics"),
     # rewards: loads data.arithmetic's reward by name
     ("nanopack.checkpoint", "data.dataset", "nanopack.rewards"),
-    ("nanopack.configurator",),
+    ("nanopack.keys", "nanopack.configurator"),
     ("nanopack.common",),
     ("nanopack.reference",),
     ("nanopack.fake_step",),
