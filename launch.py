@@ -13,7 +13,8 @@ from torch.distributed.elastic.multiprocessing.api import PContext, SignalExcept
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main, parse_args
 
-STOPPED = (128 + 2, 128 + 15)  # a worker's exit after a SIGINT / SIGTERM it was sent itself (common.Run.exit_stopped)
+# a worker's exit after a SIGINT / SIGTERM it was sent itself (nanopack.run.Run.exit_stopped)
+STOPPED = (128 + 2, 128 + 15)
 SHUTDOWN_TIMEOUT = 600  # seconds; --shutdown_timeout=N (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) chooses another
 torchrun_close = PContext.close
 worker_exits = {}  # local rank -> exit code, of the workers torchrun stopped

@@ -18,7 +18,7 @@ FLOORS = [  # lowest first: a module may import only from floors below its own
     # rewards: loads data.arithmetic's reward by name
     ("nanopack.checkpoint", "data.dataset", "nanopack.rewards"),
     ("nanopack.configurator",),
-    ("nanopack.common",),
+    ("nanopack.common", "nanopack.run", "nanopack.startup"),
     ("nanopack.reference",),
     ("nanopack.fake_step",),
     ("train_sft", "train_dpo", "train_rl", "sample", "plot", "launch", "plan"),
