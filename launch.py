@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.api import PContext, SignalExcept
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.run import main, parse_args
 
-# a worker's exit after a SIGINT / SIGTERM it was sent itself (common.Run.exit_stopped)
+# a worker's exit after a SIGINT / SIGTERM it was sent itself (nanopack.run.Run.exit_stopped)
 STOPPED = (128 + 2, 128 + 15)
 # seconds; --shutdown_timeout=N (or TORCH_ELASTIC_SHUTDOWN_TIMEOUT) chooses another
 SHUTDOWN_TIMEOUT = 600

@@ -17,16 +17,18 @@ import time
 
 import torch
 
-from nanopack import common
 import data.arithmetic as builtin_task
 from nanopack.checkpoint import export_hf, save_checkpoint
 from nanopack import keys
 from nanopack.configurator import configure
 from losses import LOSS_TYPES, STATS, dpo_loss, pair_stats, preference_loss
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
-from packing import shared_prefixes, target_counts
+from packing import PackedLoader, shared_prefixes, target_counts
 from nanopack.parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
 from nanopack.reference import Reference, cache_key, split_logps
+from nanopack.run import clip_grad_norm, lr_at, set_lr, start_run
+from nanopack.startup import (data_summary, initial_weights, load_model, load_splits,
+                              load_tokenizer, lora_settings, param_groups, restore)
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value, and so can the
@@ -75,32 +77,54 @@ if reference == "adapters_off" and not config["lora_rank"]:
          "lora_rank > 0")
 # -----------------------------------------------------------------------------
 
-run = common.setup(config, "dpo", builtin_sizes=dict(n_train=2048, n_val=200))  # built-in: 64 steps of 32 pairs
-model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.optimizer, run.loader, run.device
-iter_num, max_iters, world_size = run.start_iter, run.max_iters, run.world_size
+# ranks, device, precision, out_dir lock, signals, seed; on resume, its ckpt.pt
+run = start_run(config, __file__, data_kind="dpo", init_maker="python train_sft.py")
+tok = load_tokenizer(config, run.resumed)
+# an HF folder | scratch | the resumed run's
+start, model_config = initial_weights(config, tok, run.resumed)
+# built-in: 64 steps of 32 pairs; a pair is a unit of two sequences, chosen and rejected
+data_dir, train_data, val_data = load_splits(config, run, tok, model_config, "dpo", group_size=2,
+                                             builtin_sizes=dict(n_train=2048, n_val=200))
+model, raw_model = load_model(config, run, model_config, start)  # LoRA; DDP/FSDP2; compile
+device, world_size = run.device, run.world_size
+optimizer = torch.optim.AdamW(param_groups(raw_model, weight_decay), lr=learning_rate,
+                              betas=(0.9, 0.95), fused=device.type == "cuda")
+loader = PackedLoader(train_data, batch_size, microbatch_tokens * run.cp.size,
+                      rank=run.cp.data_rank, world_size=run.cp.data_size, seed=config["seed"], group_size=2,
+                      prefix_sharing=prefix_sharing, context=run.cp)
+max_iters = max_iters or max(1, round(epochs * len(loader)))
+# resume: weights, optimizer state, RNG, loader position, and this script's own state
+iter_num, resumed_extras = restore(run, model, optimizer, loader)
+run.begin(raw_model, iter_num, max_iters, data_summary(config, loader, train_data, data_dir,
+                                                       model_config.max_seq_len, units="pairs"))
+# what ckpt.pt records besides the weights: a resumed run starts from it
+origin = dict(tokenizer=tok.name, data_dir=data_dir, start=start, model_config=model_config)
 ref_mode = "none" if loss_type == "simpo" else (reference if reference != "auto" else
                                                 "adapters_off" if config["lora_rank"] else "cached")
 print0(f"DPO: {loss_type} loss, beta {beta}, reference {ref_mode}")
 if loader.prefix is not None:  # what computing each shared prompt once saves, over the train split
     shared = loader.prefix[1::2]  # each pair's rejected: what it shares with its chosen
     print0(f"prefix sharing: {(shared > 0).sum():,} of {len(shared):,} pairs share a prefix (mean "
-           f"{shared.mean():.1f} tokens): {int(run.train_data['offsets'][-1]):,} -> {loader.lengths.sum():,} "
-           f"tokens per epoch")
-logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name,
-                       config, resume_iter=iter_num if init_from == "resume" else None)
+           f"{shared.mean():.1f} tokens): {int(train_data['offsets'][-1]):,} -> "
+           f"{loader.lengths.sum():,} tokens per epoch")
+logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name, config,
+                       resume_iter=iter_num if init_from == "resume" else None)
 
 # ---- reference log-probs: computed once from the initial weights (or a live frozen copy of them)
 t_ref = time.perf_counter()
-ref_key = run.saved.get("ref_key") or cache_key(run)
-val_prefix = shared_prefixes(run.val_data) if prefix_sharing else None  # the train split's: loader.prefix
-ref = Reference.build(ref_mode, run, ref_key, val_prefix)
+ref_key = resumed_extras.get("ref_key") or cache_key(run, start, tok, (train_data, val_data))
+# the train split's: loader.prefix
+val_prefix = shared_prefixes(val_data) if prefix_sharing else None
+ref = Reference.build(ref_mode, run, ref_key, model, raw_model, tok, origin, (train_data, val_data),
+                      loader, val_prefix)
 ref_cache_seconds = time.perf_counter() - t_ref
 targets_train, targets_val = (torch.tensor(target_counts(d).reshape(-1, 2), dtype=torch.float32, device=device)
-                              for d in (run.train_data, run.val_data))  # (P, 2): what dpo_norm, ipo, simpo divide by
-chosen_targets = target_counts(run.train_data).reshape(-1, 2)[:, 0]  # step normaliser for sft_weight, on the host
+                              for d in (train_data, val_data))  # (P, 2): what ipo, simpo divide by
+# step normaliser for sft_weight, on the host
+chosen_targets = target_counts(train_data).reshape(-1, 2)[:, 0]
 # bco_pair's reward shift: the mean of every reward (chosen and rejected, all ranks) of the steps before this one,
 # constant within a step, so that micro-batches and ranks take one big batch's step; saved with the checkpoint
-reward_sum, reward_count = run.saved.get("bco_rewards", (0.0, 0))
+reward_sum, reward_count = resumed_extras.get("bco_rewards", (0.0, 0))
 shift = lambda: reward_sum / reward_count if reward_count else 0.0
 
 
@@ -125,7 +149,8 @@ def evaluate():
     """Val preference loss, reward accuracy and margin; built-in task: exact-match accuracy; printed and logged."""
     out = {}
     if len(targets_val):
-        policy = split_logps(model, run.val_data, 4 * microbatch_tokens, device, run.autocast, val_prefix, cp=run.cp)
+        policy = split_logps(model, val_data, 4 * microbatch_tokens, device, run.autocast,
+                             val_prefix, cp=run.cp)
         losses, rewards_c, rewards_r = dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
                                                 targets_val[:, 0], targets_val[:, 1], loss_type, beta,
                                                 label_smoothing, gamma, shift())
@@ -134,9 +159,8 @@ def evaluate():
                    val_reward_margin=(rewards_c - rewards_r).mean().item())
     if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the preferred style
         model.eval()
-        sync_ranks = config["parallel"] == "fsdp" and world_size > 1
-        out.update(builtin_task.evaluate(raw_model, run.tok, eval_examples, run.autocast,
-                                         sync_ranks=sync_ranks))
+        out.update(builtin_task.evaluate(raw_model, tok, eval_examples, run.autocast,
+                                         sync_ranks=config["parallel"] == "fsdp" and world_size > 1))
         model.train()
     parts = [f"val loss {out['val_loss']:.4f} | val reward accuracy {100 * out['val_reward_accuracy']:.1f}% | "
              f"val margin {out['val_reward_margin']:.3f}"] if "val_loss" in out else []
@@ -171,7 +195,8 @@ def log_window(elapsed, n_steps, grad_norm):
 
 # ---- the loop
 results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
-before = run.saved.get("before", {k: v for k, v in results.items() if k in ("val_accuracy", "val_preferred")})
+before = resumed_extras.get("before", {k: v for k, v in results.items()
+                                      if k in ("val_accuracy", "val_preferred")})
 timer = Timer(device)
 # tokens, padding, FLOPs since the last log line; a reference computed per step adds a forward (1/3 of fwd+bwd)
 meter = Throughput(raw_model, device, world_size, flops_factor=1.0 if ref_mode in ("cached", "none") else 4 / 3)
@@ -181,7 +206,7 @@ pairs_window = chosen_targets_window = 0
 eval_seconds = train_seconds = 0.0  # evaluation inside a log window is not training time
 start_iter, last_log_iter, t_start = iter_num, iter_num, time.perf_counter()
 while iter_num < max_iters:
-    lr = common.set_lr(optimizer, common.lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
+    lr = set_lr(optimizer, lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
     step = next(loader)
     num_chosen_targets = int(chosen_targets[step.units].sum())  # global, like step.num_groups
@@ -195,8 +220,9 @@ while iter_num < max_iters:
         step_loss += loss.detach() / world_size  # this rank's part of the step's loss
         for k in STATS:
             step_stats[k] += stats[k]
-    grad_norm = common.clip_grad_norm(model, grad_clip)
-    update, stopping = run.guard.check(step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
+    grad_norm = clip_grad_norm(model, grad_clip)
+    # finite on every rank? a stop signal?
+    update, stopping = run.guard.check(model, step_loss, grad_norm, iter_num + 1)
     if update:  # a skipped step's statistics are NaN or infinite: counted in skipped_steps, not averaged in
         optimizer.step()
         for k in STATS:  # a CP group's ranks hold the same pairs' statistics: its first rank counts them
@@ -216,14 +242,15 @@ while iter_num < max_iters:
         eval_seconds, train_seconds = 0.0, train_seconds + elapsed
         log_window(elapsed, iter_num - last_log_iter, grad_norm)
         last_log_iter, stats_acc, pairs_window, chosen_targets_window = iter_num, zeros(), 0, 0
-    saved = dict(ref_key=ref_key, before=before, bco_rewards=(reward_sum, reward_count))
+    extras = dict(ref_key=ref_key, before=before, bco_rewards=(reward_sum, reward_count))
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         results = evaluate()
-        save_checkpoint(run, iter_num, step.state, config, extra=saved, evaluation=results)
+        save_checkpoint(run, origin, model, optimizer, iter_num, step.state, extra=extras,
+                        evaluation=results)
         eval_seconds += time.perf_counter() - t_eval
     elif stopping:  # a stop on an evaluation step is saved above, with its evaluation
-        save_checkpoint(run, iter_num, step.state, config, extra=saved)
+        save_checkpoint(run, origin, model, optimizer, iter_num, step.state, extra=extras)
     if stopping and not last:  # on the last step the run ends as usual: export
         logger.finish()
         run.exit_stopped(iter_num)
@@ -234,5 +261,5 @@ if before and "val_accuracy" in results:
            f"{100 * results['val_preferred']:.1f}% | exact-match accuracy {100 * before['val_accuracy']:.1f}% -> "
            f"{100 * results['val_accuracy']:.1f}% (before DPO -> after)")
 logger.finish()
-export_hf(run)
+export_hf(run, model, raw_model, tok, start, lora_settings(config))
 teardown_distributed()

@@ -27,7 +27,6 @@ from functools import lru_cache
 import numpy as np
 import torch
 
-from nanopack import common
 from nanopack.checkpoint import export_hf, save_checkpoint
 from nanopack import keys
 from nanopack.configurator import configure
@@ -39,6 +38,9 @@ from packing import group_data, make_batch, rank_bins, shared_prefixes, unit_len
 from nanopack.parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
 from nanopack.reference import Reference
 from nanopack.rewards import RewardError, Rewards
+from nanopack.run import clip_grad_norm, lr_at, set_lr, start_run
+from nanopack.startup import (initial_weights, load_model, load_tokenizer, lora_settings,
+                              param_groups, restore)
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value, and so can the
@@ -123,25 +125,33 @@ try:
     reward_fns = Rewards(reward, reward_weights)
 except RewardError as e:
     fail(f"config error: {e}")
-run = common.setup(config, "rl")
-model, raw_model, optimizer, device, tok = run.model, run.raw_model, run.optimizer, run.device, run.tok
-iter_num, max_iters, world_size, rank = run.start_iter, run.max_iters, run.world_size, run.rank
-# FSDP2: every forward of generation is a collective
-sync_ranks = config["parallel"] == "fsdp" and world_size > 1
+# ranks, device, precision, out_dir lock, signals, seed; on resume, its ckpt.pt
+run = start_run(config, __file__, data_kind="rl",
+                init_maker="python train_sft.py && python train_dpo.py")
+device, world_size, rank = run.device, run.world_size, run.rank
+sync_ranks = config["parallel"] == "fsdp" and world_size > 1  # FSDP2: every forward of generation is a collective
 first_of_group = run.cp.rank == 0  # what a CP group's ranks hold alike (its groups, pairs) is counted by this one
+tok = load_tokenizer(config, run.resumed)
+# an HF folder | scratch | the resumed run's
+start, model_config = initial_weights(config, tok, run.resumed)
 stop_ids = set(tok.stop_ids)
 
 
-def fits(ids, where):
-    """A prompt's group must fit one micro-batch and its replies the model's positions, whatever they sample."""
+def check_prompt_length(ids, where):
+    """A prompt's group must fit one micro-batch and its replies the model's positions, whatever
+    they sample."""
     group = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
     too_many = group > microbatch_tokens * config["context_parallel"]  # else too many positions
-    if len(ids) + max_new_tokens > raw_model.config.max_seq_len or too_many:
-        fail(f"data error: {where}: the prompt has {len(ids)} tokens: with max_new_tokens={max_new_tokens} and k={k} "
-             f"its group needs up to {group} tokens, its replies {len(ids) + max_new_tokens} positions "
-             f"(microbatch_tokens={microbatch_tokens}, max_seq_len={raw_model.config.max_seq_len}); " + (
-                 f"raise microbatch_tokens, split it over GPUs with --context_parallel={-(-group // microbatch_tokens)}"
-                 f" (torchrun), " if too_many else "") + "lower max_new_tokens or shorten the prompt")
+    positions = model_config.max_seq_len
+    if len(ids) + max_new_tokens > positions or too_many:
+        cp_needed = -(-group // microbatch_tokens)
+        split = (f"raise microbatch_tokens, split it over GPUs with --context_parallel={cp_needed} "
+                 f"(torchrun), ") if too_many else ""
+        fail(f"data error: {where}: the prompt has {len(ids)} tokens: with "
+             f"max_new_tokens={max_new_tokens} and k={k} its group needs up to {group} tokens, its "
+             f"replies {len(ids) + max_new_tokens} positions "
+             f"(microbatch_tokens={microbatch_tokens}, max_seq_len={positions}); {split}lower "
+             f"max_new_tokens or shorten the prompt")
 
 
 def scorable(record_fields, where):
@@ -150,27 +160,35 @@ def scorable(record_fields, where):
     return reward_fns.check_values(record_fields, where)
 
 
+# the prompts, every answer checked by the reward, before the model loads: a bad record costs
+# seconds, not a model load
 try:
-    train_prompts = read_prompts(data, None, tok, fits, config["data_split"], "data_split",
+    train_prompts = read_prompts(data, None, tok, check_prompt_length, config["data_split"], "data_split",
                                  config["fields"], scorable, config["bad_records"])
     has_val = eval_examples and (val_data or data == "builtin")
-    val_prompts = read_prompts(val_data or data, eval_examples, tok, fits, config["val_split"],
-                               "val_split", config["fields"], scorable,
-                               config["bad_records"]) if has_val else []
+    val_prompts = read_prompts(val_data or data, eval_examples, tok, check_prompt_length, config["val_split"],
+                               "val_split", config["fields"], scorable, config["bad_records"]) if has_val else []
     for _, _, record_fields, where in train_prompts + val_prompts:  # the built-in task's too
         reward_fns.check_fields(record_fields, where)
 except RewardError as e:
     fail(f"data error: {e}")
 except SystemExit as e:
     fail(e.code)
+model, raw_model = load_model(config, run, model_config, start)  # LoRA; DDP/FSDP2; compile
+optimizer = torch.optim.AdamW(param_groups(raw_model, weight_decay), lr=learning_rate,
+                              betas=(0.9, 0.95), fused=device.type == "cuda")
+iter_num, resumed_extras = restore(run, model, optimizer)  # resume: weights, optimizer state, RNG
+run.begin(raw_model, iter_num, max_iters)
+# what ckpt.pt records besides the weights: a resumed run starts from it (RL has no token files)
+origin = dict(tokenizer=tok.name, data_dir=None, start=start, model_config=model_config)
 knobs = [*PRESETS["grpo"], "kl_coef"] if policy else ["beta", "dynamic_sampling"]
 knobs += ["max_extra_rounds"] * dynamic_sampling
 print0(f"RL: {loss} loss ({', '.join(f'{key}={config[key]}' for key in knobs)}), {len(train_prompts)} train prompts, "
        f"{prompts_per_step} x {k} replies per step, reward {reward_fns}, {len(val_prompts)} held-out prompts")
-logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name,
-                       config, resume_iter=iter_num if init_from == "resume" else None)
-ref_mode = "adapters_off" if config["lora_rank"] else "live"
-ref = Reference.of_model(ref_mode, run) if loss == "online_dpo" or kl_coef else None
+logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name, config,
+                       resume_iter=iter_num if init_from == "resume" else None)
+ref = Reference.of_model("adapters_off" if config["lora_rank"] else "live", run, model, raw_model, start) \
+    if loss == "online_dpo" or kl_coef else None
 
 
 @lru_cache(maxsize=2)
@@ -383,14 +401,15 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
 
 # ---- the loop: every step is logged
 results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
-before = run.saved.get("before", results)
-prompts_drawn = run.saved.get("prompts_drawn", iter_num * prompts_per_step)  # positions of the prompt stream used
-tally = run.saved.get("groups", [0, 0])  # groups trained, sampled, since the run began
+before = resumed_extras.get("before", results)
+# positions of the prompt stream used
+prompts_drawn = resumed_extras.get("prompts_drawn", iter_num * prompts_per_step)
+tally = resumed_extras.get("groups", [0, 0])  # groups trained, sampled, since the run began
 timer = Timer(device)
 meter = Throughput(raw_model, device, world_size, flops_factor=1.0 if ref is None else 4 / 3)
 start_iter, t_start = iter_num, time.perf_counter()
 while iter_num < max_iters:
-    lr = common.set_lr(optimizer, common.lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
+    lr = set_lr(optimizer, lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
     (prompts, replies, rewards), sampled, reward_s, prompts_drawn = collect(prompts_drawn)
     batches, size, per_reply, normaliser, trained, unshared = training_batches(prompts, replies, rewards)
@@ -407,8 +426,9 @@ while iter_num < max_iters:
                 mb_loss.backward()
             step_loss += mb_loss.detach() / world_size
             sums += mb_sums
-        grad_norm = common.clip_grad_norm(model, grad_clip)
-        update, stop = run.guard.check(step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
+        grad_norm = clip_grad_norm(model, grad_clip)
+        # finite on every rank? a stop signal?
+        update, stop = run.guard.check(model, step_loss, grad_norm, iter_num + 1)
         if update:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -417,13 +437,14 @@ while iter_num < max_iters:
     train_s = timer.lap() - gen_s - reward_s
     log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_norm)
     last = iter_num == max_iters
-    extra = dict(before=before, prompts_drawn=prompts_drawn, groups=tally)
+    extras = dict(before=before, prompts_drawn=prompts_drawn, groups=tally)
     if (eval_interval and iter_num % eval_interval == 0) or last:
         results = evaluate()
-        save_checkpoint(run, iter_num, {}, config, extra=extra, evaluation=results)
+        save_checkpoint(run, origin, model, optimizer, iter_num, {}, extra=extras,
+                        evaluation=results)
         timer.lap()  # evaluation is not the next step's time
     elif stopping:  # a stop on an evaluation step is saved above, with its evaluation
-        save_checkpoint(run, iter_num, {}, config, extra=extra)
+        save_checkpoint(run, origin, model, optimizer, iter_num, {}, extra=extras)
     if stopping and not last:  # on the last step the run ends as usual: export
         logger.finish()
         run.exit_stopped(iter_num)
@@ -437,5 +458,5 @@ if before and results:
            f"{100 * results['val_accuracy']:.1f}% | mean reward {before['val_reward']:.3f} -> "
            f"{results['val_reward']:.3f} (before RL -> after)")
 logger.finish()
-export_hf(run)
+export_hf(run, model, raw_model, tok, start, lora_settings(config))
 teardown_distributed()

@@ -15,14 +15,16 @@ import time
 import numpy as np
 import torch
 
-from nanopack import common
 import data.arithmetic as builtin_task
 from nanopack.checkpoint import export_hf, save_checkpoint
 from nanopack import keys
 from nanopack.configurator import configure
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
-from packing import IGNORE_INDEX, layout, make_batch, rank_bins
+from packing import IGNORE_INDEX, PackedLoader, layout, make_batch, rank_bins
 from nanopack.parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
+from nanopack.run import clip_grad_norm, lr_at, set_lr, start_run
+from nanopack.startup import (data_summary, initial_weights, load_model, load_splits,
+                              load_tokenizer, lora_settings, param_groups, restore)
 
 # -----------------------------------------------------------------------------
 # config: every global below can be set by a config/*.py file or --key=value, and so can the
@@ -58,11 +60,29 @@ config = configure(globals(), machinery=keys,
                                  max_iters=0, epochs=2.0))
 # -----------------------------------------------------------------------------
 
-run = common.setup(config, "sft")
-model, raw_model, optimizer, loader, device = run.model, run.raw_model, run.optimizer, run.loader, run.device
-iter_num, max_iters, world_size = run.start_iter, run.max_iters, run.world_size
-logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name,
-                       config, resume_iter=iter_num if init_from == "resume" else None)
+# ranks, device, precision, out_dir lock, signals, seed; on resume, its ckpt.pt
+run = start_run(config, __file__, data_kind="sft")
+tok = load_tokenizer(config, run.resumed)
+# scratch | HF folder | the resumed run's
+start, model_config = initial_weights(config, tok, run.resumed)
+# tokenized once, every example checked against the model and a micro-batch
+data_dir, train_data, val_data = load_splits(config, run, tok, model_config, "sft")
+model, raw_model = load_model(config, run, model_config, start)  # LoRA; DDP/FSDP2; compile
+device, world_size = run.device, run.world_size
+optimizer = torch.optim.AdamW(param_groups(raw_model, weight_decay), lr=learning_rate,
+                              betas=(0.9, 0.95), fused=device.type == "cuda")
+loader = PackedLoader(train_data, batch_size, microbatch_tokens * run.cp.size,
+                      rank=run.cp.data_rank, world_size=run.cp.data_size, seed=config["seed"],
+                      prefix_sharing=prefix_sharing, context=run.cp)
+max_iters = max_iters or max(1, round(epochs * len(loader)))
+# resume: weights, optimizer state, RNG, loader position
+iter_num, _ = restore(run, model, optimizer, loader)
+run.begin(raw_model, iter_num, max_iters, data_summary(config, loader, train_data, data_dir,
+                                                       model_config.max_seq_len))
+# what ckpt.pt records besides the weights: a resumed run starts from it
+origin = dict(tokenizer=tok.name, data_dir=data_dir, start=start, model_config=model_config)
+logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name, config,
+                       resume_iter=iter_num if init_from == "resume" else None)
 
 
 def microbatch_loss(mb, normaliser):
@@ -99,9 +119,8 @@ def evaluate():
         total_loss, total_targets = all_reduce_sum([loss_sum.item(), n_targets], device)
         out["val_loss"] = total_loss / max(total_targets, 1)
     if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the plain style
-        sync_ranks = config["parallel"] == "fsdp" and world_size > 1
-        out.update(builtin_task.evaluate(raw_model, run.tok, eval_examples, run.autocast,
-                                         sync_ranks=sync_ranks))
+        out.update(builtin_task.evaluate(raw_model, tok, eval_examples, run.autocast,
+                                         sync_ranks=config["parallel"] == "fsdp" and world_size > 1))
     model.train()
     parts = [f"val loss {out['val_loss']:.4f}"] if "val_loss" in out else []
     parts += [f"val accuracy {100 * out['val_accuracy']:.1f}% | plain style {100 * out['val_preferred']:.1f}%"
@@ -113,7 +132,7 @@ def evaluate():
 
 
 # ---- the loop
-val_layout = layout(run.val_data, microbatch_tokens * config["context_parallel"], 1, prefix_sharing)
+val_layout = layout(val_data, microbatch_tokens * config["context_parallel"], 1, prefix_sharing)
 if loader.prefix is not None:  # reasoning_turns='each': what computing each conversation's history once saves
     print0(f"prefix sharing: {int(loader.whole.sum()):,} tokens laid out whole -> {int(loader.lengths.sum()):,} "
            f"computed ({loader.whole.sum() / loader.lengths.sum():.2f}x fewer)")
@@ -125,7 +144,7 @@ unshared_window = 0  # tokens of the window's sequences laid out whole (prefix s
 eval_seconds = 0.0  # evaluation inside a log window is not training time
 start_iter, last_log_iter, t_start = iter_num, iter_num, time.perf_counter()
 while iter_num < max_iters:
-    lr = common.set_lr(optimizer, common.lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
+    lr = set_lr(optimizer, lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
     step = next(loader)
     normaliser = step.num_examples if loss_weighting == "sequence" else step.num_target_tokens
@@ -139,8 +158,9 @@ while iter_num < max_iters:
             loss.backward()
         step_loss += loss.detach() / world_size  # this rank's part of the step's loss
         step_loss_sum += loss_sum
-    grad_norm = common.clip_grad_norm(model, grad_clip)
-    update, stopping = run.guard.check(step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
+    grad_norm = clip_grad_norm(model, grad_clip)
+    # finite on every rank? a stop signal?
+    update, stopping = run.guard.check(model, step_loss, grad_norm, iter_num + 1)
     if update:  # a skipped step's loss is NaN or infinite: it is counted in skipped_steps, not averaged in
         optimizer.step()
         loss_acc += step_loss_sum
@@ -165,14 +185,15 @@ while iter_num < max_iters:
         last_log_iter, normaliser_window, unshared_window = iter_num, 0, 0
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
-        save_checkpoint(run, iter_num, step.state, config, extra={}, evaluation=evaluate())
+        save_checkpoint(run, origin, model, optimizer, iter_num, step.state, extra={},
+                        evaluation=evaluate())
         eval_seconds += time.perf_counter() - t_eval
     elif stopping:  # a stop on an evaluation step is saved above, with its evaluation
-        save_checkpoint(run, iter_num, step.state, config, extra={})
+        save_checkpoint(run, origin, model, optimizer, iter_num, step.state, extra={})
     if stopping and not last:  # on the last step the run ends as usual: export
         logger.finish()
         run.exit_stopped(iter_num)
 
 logger.finish()
-export_hf(run)
+export_hf(run, model, raw_model, tok, start, lora_settings(config))
 teardown_distributed()

@@ -258,7 +258,7 @@ def run_config(name, args):
     import torch.nn.functional as F
     from model import Transformer
     from nanopack.hf import save_pretrained
-    from nanopack import common
+    from nanopack.startup import param_groups
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -285,7 +285,8 @@ def run_config(name, args):
     if name.startswith("packed+compile"):
         for block in net.layers:
             block.compile(dynamic=name == "packed+compile")
-    opt = common.make_optimizer(net, 1e-3, 0.0, device_type=device.type)
+    opt = torch.optim.AdamW(param_groups(net, 0.0), lr=1e-3, betas=(0.9, 0.95),
+                            fused=device.type == "cuda")
     flops_model = net  # FLOPs per token from our formula for every row; hf: a weightless copy of our model
     if name == "hf":
         with torch.device("meta"):

@@ -30,12 +30,13 @@ warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavai
 TRAINED = StateDictOptions(ignore_frozen_params=True, strict=False)  # LoRA: the adapters, not the frozen base
 
 
-def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None):
-    """A fresh DCP folder, then rank 0 replaces ckpt.pt and only then removes older folders. extra: the script's own
-    state (run.saved on resume). -> whether it was written (then run.saved_iter): non-finite weights or evaluation
-    never are."""
+def save_checkpoint(run, origin, model, optimizer, iter_num, loader_state, extra, evaluation=None):
+    """A fresh DCP folder, then rank 0 replaces ckpt.pt and only then removes older folders.
+    origin: what a resume starts from (tokenizer, data_dir, start, model_config); extra: the
+    script's own state (restore returns it on resume). -> whether it was written (then
+    run.saved_iter): non-finite weights or evaluation never are."""
     bad = [k for k, v in (evaluation or {}).items() if not math.isfinite(v)]
-    if bad or not all_finite(run.model):
+    if bad or not all_finite(model):
         print0(f"iter {iter_num}: {'the weights are' if not bad else ', '.join(bad) + ' is'} not finite: checkpoint "
                f"NOT written ({run.ckpt_path} stays as it was)")
         return False
@@ -48,15 +49,18 @@ def save_checkpoint(run, iter_num, loader_state, config, extra, evaluation=None)
     if dist.is_initialized():
         dist.broadcast_object_list(name, src=0)
     folder, tmp = os.path.join(run.out_dir, name[0]), run.ckpt_path + ".tmp"
-    model_sd, optim_sd = get_state_dict(run.model, run.optimizer, options=TRAINED)  # FSDP2: each rank its own
+    # FSDP2: each rank its own
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=TRAINED)
     try:
         dcp.save(dict(model=model_sd, optimizer=optim_sd), checkpoint_id=folder, no_dist=not dist.is_initialized())
         if run.master:  # serialised in memory: a full disk is then the OSError it is, not torch's "unexpected pos"
             small = io.BytesIO()
-            torch.save(dict(weights=name[0], rng=rng_state(), model_config=asdict(run.raw_model.config),
-                            iter_num=iter_num, loader=loader_state, config=config, tokenizer=run.tok.name,
-                            data_dir=run.data_dir and portable(run.data_dir, run.out_dir), start=run.start,
-                            guard=run.guard.counts(), extra=extra, script=f"train_{run.kind}.py"),
+            data_dir = origin["data_dir"] and portable(origin["data_dir"], run.out_dir)
+            torch.save(dict(weights=name[0], rng=rng_state(),
+                            model_config=asdict(origin["model_config"]), iter_num=iter_num,
+                            loader=loader_state, config=run.config, tokenizer=origin["tokenizer"],
+                            data_dir=data_dir, start=origin["start"], guard=run.guard.counts(),
+                            extra=extra, script=run.script),
                        small)
             with open(tmp, "wb") as f:
                 f.write(small.getbuffer())
@@ -200,27 +204,34 @@ TOKEN_ID_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")  # config.json 
 EXPORT_TMP, EXPORT_NEW, EXPORT_OLD = "export.tmp", "export.new", "export.old"
 
 
-def export_hf(run):
-    """The trained weights as out_dir/hf with the starting folder's tokenizer files and token ids (every rank calls
-    this; rank 0 writes). Written whole into out_dir/export.tmp, then moved in by finish_export: a failed or killed
-    export leaves the previous one or this one, never a part of one nor the adapter of one beside the hf of another."""
+def export_hf(run, model, raw_model, tok, start, adapters=None):
+    """The trained weights as out_dir/hf with the tokenizer files and token ids of `start`'s folder
+    (every rank calls this; rank 0 writes); adapters: LoRA's settings, also written as a PEFT
+    folder. Written whole into out_dir/export.tmp, then moved in by finish_export: a failed or
+    killed export leaves the previous one or this one, never a part of one nor the adapter of one
+    beside the hf of another."""
     hf_dir, adapter_dir = os.path.join(run.out_dir, "hf"), os.path.join(run.out_dir, "adapter")
-    if not all_finite(run.model):
+    if not all_finite(model):
         raise SystemExit(f"the weights are not all finite: no Hugging Face folder written; {run.ckpt_path} holds the "
                          f"last finite checkpoint")
     staging = os.path.join(run.out_dir, EXPORT_TMP)
     if run.master:
         finish_export(run.out_dir)  # one a kill cut short: moved in (or removed, half written) before it is replaced
     try:
-        if run.adapters:  # LoRA: the merged weights (W + scale B A) in out_dir/hf, the adapters alone as a PEFT folder
-            save_pretrained(run.raw_model, os.path.join(staging, "hf"), state=lora.merged_state_dict(run.raw_model))
-            base = (run.config.get("hub") or {}).get("init_from", "").partition("@")[0] or run.start["init_from"]
-            lora.save_adapter(run.raw_model, os.path.join(staging, "adapter"), base,  # a hub name, as PEFT takes it
-                              **{k: v for k, v in run.adapters.items() if k != "quantize"})
+        if adapters:
+            # LoRA: the merged weights (W + scale B A) in out_dir/hf, the adapters alone as PEFT's
+            save_pretrained(raw_model, os.path.join(staging, "hf"),
+                            state=lora.merged_state_dict(raw_model))
+            # a hub name, as PEFT takes it
+            hub_name = (run.config.get("hub") or {}).get("init_from", "").partition("@")[0]
+            base = hub_name or start["init_from"]
+            lora.save_adapter(raw_model, os.path.join(staging, "adapter"), base,
+                              **{k: v for k, v in adapters.items() if k != "quantize"})
         else:
-            save_pretrained(run.raw_model, os.path.join(staging, "hf"))  # FSDP2: gathered to rank 0's CPU
+            # FSDP2: gathered to rank 0's CPU
+            save_pretrained(raw_model, os.path.join(staging, "hf"))
         if run.master:
-            add_tokenizer(run, os.path.join(staging, "hf"))
+            add_tokenizer(tok, start, os.path.join(staging, "hf"))
             os.replace(staging, os.path.join(run.out_dir, EXPORT_NEW))  # whole: from here on it is the export
     except OSError as e:
         if run.master:
@@ -228,9 +239,9 @@ def export_hf(run):
         stop_writing(e, "the Hugging Face export (a previous one stays as it was)", run)
     if run.master:
         finish_export(run.out_dir)
-    adapter = f", PEFT adapter {adapter_dir}" if run.adapters else ""
-    print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}{adapter}"
-           + (" (byte-level tokenizer: sample.py uses it by default)" if run.tok.name == "byte" else ""))
+    adapter = f", PEFT adapter {adapter_dir}" if adapters else ""
+    byte_level = " (byte-level tokenizer: sample.py uses it by default)" * (tok.name == "byte")
+    print0(f"done: checkpoint {run.ckpt_path}, Hugging Face folder {hf_dir}{adapter}{byte_level}")
 
 
 def finish_export(out_dir):
@@ -254,15 +265,15 @@ def finish_export(out_dir):
     return moved
 
 
-def add_tokenizer(run, hf_dir):
+def add_tokenizer(tok, start, hf_dir):
     """The tokenizer files and special token ids of the folder the run started from (or of its tokenizer's)."""
-    folders = [f for f in {run.start["init_from"], run.tok.name} if os.path.isdir(f)]
+    folders = [f for f in {start["init_from"], tok.name} if os.path.isdir(f)]
     for name in TOKENIZER_FILES:
         for folder in folders:
             if os.path.exists(os.path.join(folder, name)):
                 shutil.copy(os.path.join(folder, name), hf_dir)
-    ids = dict(bos_token_id=run.tok.bos_id, eos_token_id=run.tok.eos_id, pad_token_id=None)
-    source = os.path.join(run.start["init_from"], "config.json")
+    ids = dict(bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=None)
+    source = os.path.join(start["init_from"], "config.json")
     if os.path.exists(source):  # the source's own ids win: generation must stop where it stopped
         with open(source) as f:
             ids.update({k: v for k, v in json.load(f).items() if k in TOKEN_ID_KEYS})

@@ -42,13 +42,14 @@ from torch.distributed.fsdp._fully_shard import _fully_shard as fully_shard_modu
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from nanopack import common
 from nanopack import configurator
 from nanopack import context
 from nanopack import generate as generation
 from nanopack import hub
 import packing
 from nanopack import reference
+from nanopack import run as run_start
+from nanopack import startup
 from data import dataset
 from nanopack.hf import read_hf_config
 from nanopack.metrics import Throughput
@@ -138,14 +139,15 @@ def worst_case_data(c, group_size, max_seq_len, gpus):
 
 def config_keys(script):
     """The config keys of a training script: the names its top level assigns (`name = default`)
-    and the machinery's (nanopack/keys.py). A script that runs no step through common.setup and
-    common.set_lr (sample.py, plot.py) cannot be planned: one line says so."""
+    and the machinery's (nanopack/keys.py). A script that runs no step through start_run and set_lr
+    (sample.py, plot.py) cannot be planned: one line says so."""
     from nanopack import keys
     with open(script) as f:
         text = f.read()
-    if not all(f"common.{name}(" in text for name in ("setup", "set_lr")):
-        raise SystemExit(f"plan.py: {script} is not a training script (it calls no common.setup and common.set_lr, "
-                         f"whose step a plan runs); plan train_sft.py, train_dpo.py, train_rl.py or a copy of one")
+    if not all(f"{name}(" in text for name in ("start_run", "set_lr")):
+        raise SystemExit(f"plan.py: {script} is not a training script (it calls no start_run and "
+                         f"set_lr, whose step a plan runs); plan train_sft.py, train_dpo.py, "
+                         f"train_rl.py or a copy of one")
     return set(re.findall(r"^(\w+) = ", text, re.M)) | set(configurator.declared(keys))
 
 
@@ -185,8 +187,11 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     def initial_config(start, tok):  # a preset at its own vocabulary: the byte tokenizer would shrink the head
         if start["init_from"] == "scratch":
             vocab = max(PRESETS[start["preset"]]["vocab_size"], tok.vocab_size)
-            return config_from_preset(start["preset"], vocab_size=vocab)
-        return read_hf_config(start["init_from"])
+            model_config = config_from_preset(start["preset"], vocab_size=vocab)
+        else:
+            model_config = read_hf_config(start["init_from"])
+        state["max_seq_len"] = model_config.max_seq_len
+        return model_config
 
     def build_model(*a, **k):
         with mock.patch.object(torch.nn.Module, "to", module_to):
@@ -199,17 +204,21 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
         with unset_fake_temporarily():
             return init_device_mesh("cpu", (gpus,))
 
-    def setup(config, kind, builtin_sizes=None):
+    def start_run(config, *a, **k):
         state["config"] = config  # what load_data and read_prompts read
-        state["run"] = real["setup"](config, kind, builtin_sizes)
-        return state["run"]
+        return real["start_run"](config, *a, **k)
+
+    def load_model(*a, **k):
+        model, raw_model = real["load_model"](*a, **k)
+        state["model"] = model  # what the tracker follows
+        return model, raw_model
 
     def read_prompts(source, n, tok, limit, *args):  # RL: every prompt as long as the data's longest, or (the data
-        # not on this machine) as long as a group may be (train_rl.fits)
+        # not on this machine) as long as a group may be (train_rl.check_prompt_length)
         if on_disk(source) or source == "builtin":
             found = real["read_prompts"](source, n, tok, limit, *args)
             return [max(found, key=lambda p: len(p[0]))] * len(found)
-        c, positions = state["config"], state["run"].raw_model.config.max_seq_len
+        c, positions = state["config"], state["max_seq_len"]
         group, new = c["microbatch_tokens"] * c["context_parallel"], c["max_new_tokens"]
         ids = [1] * max(1, min(positions - new, group - c["k"] * new if c["prefix_sharing"] else group // c["k"] - new))
         limit(ids, f"{source} (not on this machine: prompts of {len(ids)} tokens planned)")
@@ -246,7 +255,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     def set_lr(optimizer, lr):
         state["steps"] += 1
         if state["steps"] == 2:  # the steady state, the optimizer state allocated: measured from here on
-            state["tracker"] = PhaseTracker(state["run"].model, state["run"].optimizer)
+            state["tracker"] = PhaseTracker(state["model"], optimizer)
             state["tracker"].__enter__()
         if state["steps"] == 3:
             raise Done
@@ -264,25 +273,31 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                                        "checkpoint; plan the run as it started (its config file and --key=value, its "
                                        "first init_from): a resumed step holds the same memory")
 
-    def reference_model(cls, mode, run):  # a live reference's frozen copy: its parameters are its own category
-        ref = real["of_model"](cls, mode, run)
+    # a live reference's frozen copy: its parameters are its own category
+    def reference_model(cls, mode, *a):
+        ref = real["of_model"](cls, mode, *a)
         state["reference"] = ref.model if mode == "live" else None
         return ref
 
     def reference_build(cls, mode, *a, **k):  # cached log-probs are computed before training, never seen by the step
         return real["build"](cls, "none" if mode == "cached" and fake else mode, *a, **k)
 
-    real = dict(check_kind=common.check_kind, prepare_data=common.prepare_data, load_data=common.load_data,
-                build_model=common.build_model, wrap_model=common.wrap_model, setup=common.setup, set_lr=common.set_lr,
-                count=Throughput.count, read_prompts=dataset.read_prompts, generate=generation.generate,
+    real = dict(check_kind=run_start.check_kind, prepare_data=startup.prepare_data,
+                load_data=startup.load_data, build_model=startup.build_model,
+                wrap_model=startup.wrap_model, start_run=run_start.start_run,
+                load_model=startup.load_model, set_lr=run_start.set_lr, count=Throughput.count,
+                read_prompts=dataset.read_prompts, generate=generation.generate,
                 rank_bins=packing.rank_bins, of_model=reference.Reference.of_model.__func__,
                 build=reference.Reference.build.__func__)
-    patches = [(common, name, new) for name, new in [
-        ("setup_distributed", setup_distributed), ("prepare_data", prepare_data), ("load_data", load_data),
-        ("initial_config", initial_config), ("build_model", build_model), ("wrap_model", wrap_model), ("setup", setup),
-        ("set_lr", set_lr), ("refuse_non_finite", lambda *a: None),
-        ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a)),
-        ("base_weights", lambda init_from: None), ("load_hf_weights", lambda *a, **k: None),
+    patches = [(run_start, name, new) for name, new in [
+        ("setup_distributed", setup_distributed), ("start_run", start_run), ("set_lr", set_lr),
+        ("check_kind", lambda data, *a: on_disk(data) and real["check_kind"](data, *a))]]
+    patches += [(startup, name, new) for name, new in [
+        ("prepare_data", prepare_data), ("load_data", load_data),
+        ("initial_config", initial_config),
+        ("build_model", build_model), ("load_model", load_model), ("wrap_model", wrap_model),
+        ("refuse_non_finite", lambda *a: None), ("base_weights", lambda init_from: None),
+        ("load_hf_weights", lambda *a, **k: None),
         ("from_pretrained", lambda folder, dtype=None: Transformer(read_hf_config(folder)))]]
     patches += [(hub, "PLAN", True),  # a hub name: its config.json and tokenizer only, no weights
                 # one process stands for every rank: no other rank's commits to compare (a collective on fake ranks)
@@ -291,13 +306,12 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                 (generation, "generate", generate),
                 (generation, "packed", on_host(generation.packed)), (packing, "rank_bins", rank_bins),
                 (fully_shard_module, "_init_default_mesh", default_mesh),
-                (common.StepGuard, "check", lambda self, *a: (True, False)),
+                (run_start.StepGuard, "check", lambda self, *a: (True, False)),
                 # a plan has no step to finish: Ctrl-C and SIGTERM stop it at once, not after a step and a checkpoint
-                (common.stop_signal, "install", lambda: None), (Throughput, "count", count),
+                (run_start.stop_signal, "install", lambda: None), (Throughput, "count", count),
                 (context.ContextParallel, "split", on_host(context.ContextParallel.split)),
                 (torch.Tensor, "item", fake_item),  # a printed loss, an evaluation
                 (torch.Tensor, "tolist", fake_tolist), (FakeTensor, "tolist", fake_tolist),  # FakeTensor has its own
-                (reference, "build_model", build_model),  # a live reference's copy
                 (reference.Reference, "of_model", classmethod(reference_model)),
                 (reference.Reference, "build", classmethod(reference_build))]
     patches += [(torch.Tensor, name, frozen_hook(getattr(torch.Tensor, name)))

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from nanopack.common import build_model
+from nanopack import startup
 from nanopack.context import ContextParallel
 from nanopack.lora import adapters_disabled
 from packing import make_batch, rank_bins, unit_lengths
@@ -64,30 +64,34 @@ class Reference:
             return self.model(**mb.inputs(), logprobs=True, temperature=temperature)
 
     @classmethod
-    def of_model(cls, mode, run):
-        """'live': a frozen copy of the initial weights (FSDP2: sharded like the policy, for the same precision);
-        'adapters_off': the policy without its adapters."""
+    def of_model(cls, mode, run, model, raw_model, start):
+        """'live': a frozen copy of the initial weights `start` (FSDP2: sharded like the policy,
+        for the same precision); 'adapters_off': the policy without its adapters."""
         if mode == "adapters_off":
-            return cls(model=run.model, autocast=run.autocast, switch=lambda: adapters_disabled(run.raw_model))
+            return cls(model=model, autocast=run.autocast,
+                       switch=lambda: adapters_disabled(raw_model))
         parallel = "fsdp" if run.config["parallel"] == "fsdp" else None  # no gradients: nothing for DDP to do
-        copy, _ = build_model(run.raw_model.config, run.start, run.config["seed"], run.device, parallel,
-                              run.world_size, getattr(torch, run.dtype))
+        copy, _ = startup.build_model(raw_model.config, start, run.config["seed"], run.device,
+                                      parallel, run.world_size, getattr(torch, run.dtype))
         return cls(model=copy.requires_grad_(False).eval(), autocast=run.autocast)
 
     @classmethod
-    def build(cls, mode, run, key, val_prefix=None):
-        """A DPO run's: mode 'none' (simpo), 'cached', 'live' or 'adapters_off'; val_prefix: the val split's."""
+    def build(cls, mode, run, key, model, raw_model, tok, origin, splits, loader, val_prefix=None):
+        """A DPO run's: mode 'none' (simpo), 'cached', 'live' or 'adapters_off'; splits: (train,
+        val) token data; origin: the run's start and data_dir; val_prefix: the val split's."""
+        train_data, val_data = splits
         budget = 4 * run.config["microbatch_tokens"]  # forward only, nothing kept for a backward pass: bigger bins fit
 
         def logps(model, data, prefix):
             return split_logps(model, data, budget, run.device, run.autocast, prefix, cp=run.cp)
-        n_train, n_val = len(run.loader.lengths), len(run.val_data["offsets"]) // 2
+        n_train, n_val = len(loader.lengths), len(val_data["offsets"]) // 2
         if mode == "none":
             return cls(torch.zeros(n_train, 2, device=run.device), torch.zeros(n_val, 2, device=run.device))
         if mode in ("live", "adapters_off"):
-            ref = cls.of_model(mode, run)
+            ref = cls.of_model(mode, run, model, raw_model, origin["start"])
             with ref.switch():
-                ref.val = logps(ref.model, run.val_data, val_prefix)  # training's: computed on each micro-batch
+                # training's: computed on each micro-batch
+                ref.val = logps(ref.model, val_data, val_prefix)
             return ref
         folder = os.path.join(run.out_dir, "reference")
         paths = {split: os.path.join(folder, f"{key}_{split}.npy") for split in ("train", "val")}
@@ -95,12 +99,12 @@ class Reference:
         if all_reduce_sum([float(os.path.exists(key_path))], run.device)[0] == run.world_size:
             print0(f"reference log-probs: loaded {key_path}")
             return cls(*(torch.from_numpy(np.load(paths[s])).to(run.device) for s in ("train", "val")))
-        if run.start_iter:
+        if run.resumed:
             raise SystemExit(f"{key_path} is missing: the reference log-probs of the run being resumed are gone, and "
                              f"its checkpoint holds the trained weights, not the reference; start the run again")
         t0 = time.perf_counter()
-        train = logps(run.model, run.train_data, run.loader.prefix)  # the policy has not moved yet
-        val = logps(run.model, run.val_data, val_prefix)
+        train = logps(model, train_data, loader.prefix)  # the policy has not moved yet
+        val = logps(model, val_data, val_prefix)
         seconds = time.perf_counter() - t0
         if run.master:
             os.makedirs(folder, exist_ok=True)
@@ -108,25 +112,26 @@ class Reference:
                 np.save(paths[split] + ".tmp.npy", values.cpu().numpy())
                 os.replace(paths[split] + ".tmp.npy", paths[split])
             with open(key_path, "w") as f:
-                json.dump(dict(key=key, reference=run.start, data_dir=run.data_dir, tokenizer=run.tok.name,
-                               template=run.tok.template_id, dtype=run.dtype, train_pairs=n_train, val_pairs=n_val,
-                               seconds=seconds), f, indent=2)
+                json.dump(dict(key=key, reference=origin["start"], data_dir=origin["data_dir"],
+                               tokenizer=tok.name, template=tok.template_id, dtype=run.dtype,
+                               train_pairs=n_train, val_pairs=n_val, seconds=seconds), f, indent=2)
         if dist.is_initialized():
             dist.barrier()
-        tokens = int(run.loader.lengths.sum()) + int(unit_lengths(run.val_data, 2, val_prefix).sum())  # as computed
+        # as computed
+        tokens = int(loader.lengths.sum()) + int(unit_lengths(val_data, 2, val_prefix).sum())
         print0(f"reference log-probs: {n_train} train + {n_val} val pairs, {tokens:,} tokens in {seconds:.1f}s "
                f"({tokens / seconds / run.world_size:,.0f} tok/s/gpu), saved as {key_path}")
         return cls(train, val)
 
 
-def cache_key(run):
+def cache_key(run, start, tok, splits):
     """What the cached log-probs depend on, hashed: the initial weights (a fingerprint, not a path: new weights in the
     same folder miss the cache), both splits' tokens, the tokenizer, template and dtype."""
-    scratch = run.start["init_from"] == "scratch"
-    h = hashlib.sha256(json.dumps(["nanopack-reference-v2", run.start, run.tok.name, run.tok.template_id, run.dtype,
-                                   run.config["seed"] if scratch else None,
+    scratch = start["init_from"] == "scratch"
+    h = hashlib.sha256(json.dumps(["nanopack-reference-v2", start, tok.name, tok.template_id,
+                                   run.dtype, run.config["seed"] if scratch else None,
                                    torch.__version__ if scratch else None]).encode())
-    for split_data in (run.train_data, run.val_data):
+    for split_data in splits:
         for k in ("ids", "offsets", "loss_mask"):
             h.update(np.ascontiguousarray(split_data[k]))
     return h.hexdigest()[:16]

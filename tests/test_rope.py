@@ -87,7 +87,7 @@ def check_fused_vs_reference(device, cases=CASES):
 
 
 def check_compiled_blocks_vs_eager():
-    """The tiny model with its blocks compiled as common.py does (dynamic=True, no padding) and the fused RoPE
+    """The tiny model with its blocks compiled as nanopack/startup.py does (dynamic=True, no padding) and the fused RoPE
     forced on, against an eager copy with the reference RoPE: loss and every gradient, at two packed lengths."""
     import model as M
     from conftest import next_token_targets

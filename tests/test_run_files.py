@@ -331,15 +331,15 @@ def test_a_kill_while_an_export_moves_in_leaves_one_whole_export(tmp_path, monke
     if adapters:
         lora.add_adapters(model, lora_rank, 8, 0.0, adapters["targets"])
     tok = get_tokenizer("byte")
-    run = SimpleNamespace(model=model, raw_model=model, adapters=adapters, master=True, out_dir=str(tmp_path),
-                          ckpt_path=str(tmp_path / "ckpt.pt"), tok=tok, start=dict(init_from="scratch"), config={})
+    run = SimpleNamespace(master=True, out_dir=str(tmp_path), ckpt_path=str(tmp_path / "ckpt.pt"),
+                          config={})
     names = ["hf", "adapter"] if lora_rank else ["hf"]
 
     def export(scale):
         with torch.no_grad():
             for p in model.parameters():
                 p.mul_(scale)
-        checkpoint.export_hf(run)
+        checkpoint.export_hf(run, model, model, tok, dict(init_from="scratch"), adapters)
         return {d: files(os.path.join(tmp_path, d)) for d in names}
 
     old, new = export(1.0), export(2.0)

@@ -96,7 +96,7 @@ def test_resume_restores_the_config_and_names_what_changes(tmp_path, sft_data):
                                       "--learning_rate=2e-3"])
     assert "resume: overriding max_iters 2 -> 3" in out.stdout
     assert "resume: overriding learning_rate 0.001 -> 0.002" in out.stdout
-    from nanopack.common import lr_at
+    from nanopack.run import lr_at
     assert metrics(out_dir)[-1]["lr"] == pytest.approx(lr_at(2, 3, 2e-3, 5e-4, 0), rel=1e-9)  # and trains with it
     out = run_script("train_sft.py", [f"--out_dir={out_dir}", "--init_from=resume", "--batch_size=8"], check=False)
     assert out.returncode != 0 and "batch_size=8 differs from the run being resumed (batch_size=16)" in out.stderr
