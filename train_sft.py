@@ -20,7 +20,7 @@ import data.arithmetic as builtin_task
 from nanopack.checkpoint import export_hf, save_checkpoint
 from nanopack.configurator import configure
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
-from packing import IGNORE_INDEX, layout, make_batch, rank_bins
+from packing import IGNORE_INDEX, layout, rank_microbatches
 from nanopack.parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
 
 # -----------------------------------------------------------------------------
@@ -110,9 +110,9 @@ def evaluate():
     val, prefix, lengths, _ = val_layout  # as training lays out its split
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     n_targets = 0
-    for units in rank_bins(np.arange(len(lengths)), lengths, microbatch_tokens * context_parallel, run.cp.data_rank,
-                           run.cp.data_size):
-        mb = run.cp.split(make_batch(val, units, 1, prefix))
+    budget = microbatch_tokens * context_parallel
+    for mb in rank_microbatches(val, np.arange(len(lengths)), lengths, budget, 1, prefix,
+                                run.cp.data_rank, run.cp.data_size, run.cp):
         n_targets += mb.num_target_tokens
         mb = mb.to(device)
         with run.autocast:
