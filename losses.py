@@ -6,6 +6,8 @@ The losses on log-probs, pure functions of tensors (tests/test_dpo_loss.py, test
   group_advantages  the GRPO family's advantages: rewards less their group's mean, scaled by a std (or not)
   policy_loss       the GRPO family's loss on a micro-batch: PPO's or CISPO's clip of a ratio per token or per reply
                     (GSPO), each token weighted by loss_weights (the step's aggregation), + a KL estimate to a reference
+  RL_OBJECTIVES     train_rl.py's objective by name: grpo_objective (the GRPO family) or
+                    online_dpo_objective
   pair_stats        named per-pair statistics (rewards, reward accuracy, log-probs), summed, for exact means
 A pair p is sequences 2p (chosen) and 2p+1 (rejected); mb.pair_sums(per-target values) -> (chosen (P,), rejected (P,)).
 """
@@ -20,7 +22,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, len_chose
              loss_type, beta, label_smoothing=0.0, gamma=0.0, shift=0.0):
     """-> per-pair losses (P,) and rewards beta * (policy - reference) (chosen (P,), rejected (P,)) from per-sequence
     log-prob sums; per response token for ipo (TRL's convention), dpo_norm and simpo (which has no reference).
-    shift: bco_pair's reward shift (the running mean of the rewards, kept by the caller)."""
+    shift: bco_pair's reward shift (RewardShift.value, the running mean of the rewards)."""
     pc, pr, rc, rr = policy_chosen, policy_rejected, ref_chosen, ref_rejected
     if loss_type in ("ipo", "dpo_norm", "simpo"):
         pc, pr, rc, rr = pc / len_chosen, pr / len_rejected, rc / len_chosen, rr / len_rejected
@@ -43,6 +45,27 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, len_chose
         z = beta * h - (gamma if loss_type == "simpo" else 0.0)
         losses = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
     return losses, rewards_c.detach(), rewards_r.detach()
+
+
+class RewardShift:
+    """bco_pair's reward shift: the mean of every reward (chosen and rejected, all ranks) of the
+    steps before this one, constant within a step so that micro-batches and ranks take one big
+    batch's step."""
+
+    def __init__(self, reward_sum=0.0, count=0):
+        self.reward_sum, self.count = reward_sum, count
+
+    @property
+    def value(self):
+        return self.reward_sum / self.count if self.count else 0.0
+
+    def update(self, reward_sum, count):
+        """A step's rewards: their sum over every rank, and how many there were."""
+        self.reward_sum, self.count = self.reward_sum + reward_sum, self.count + count
+
+    def state_dict(self):
+        # the checkpoint's "bco_rewards" pair, as saved before this was an object
+        return (self.reward_sum, self.count)
 
 
 def preference_loss(losses, policy_chosen, num_pairs, num_chosen_targets, sft_weight):
@@ -109,6 +132,43 @@ def loss_weights(lengths, aggregation, normaliser):
     """(R,) each reply token's share of the step loss: 1 / (its reply's tokens x normaliser) for 'reply_mean' (the
     normaliser counts replies), 1 / normaliser for 'token_mean' (tokens) and 'constant' (replies x max_new_tokens)."""
     return (1 / lengths.clamp(min=1) if aggregation == "reply_mean" else torch.ones_like(lengths)) / normaliser
+
+
+POLICY_STATS = ("ratio_sum", "clipped_low", "clipped_high")  # policy_loss's sums, in its order
+
+
+def grpo_objective(mb, logps, sampling_logps, ref_logps, replies, settings):
+    """The GRPO family on a micro-batch of groups of k replies -> (its share of the step loss, its
+    sums by name: the loss, ratios, tokens clipped low and high). replies: (advantages, weights,
+    lengths) of each reply of this rank's groups; settings: the config's k, clip_eps, clip_eps_high,
+    clip_mode, importance_sampling_level, kl_coef."""
+    k = settings["k"]
+    # the batch's replies: group u holds replies u*k .. u*k+k-1
+    seqs = (mb.units[:, None] * k + torch.arange(k, device=logps.device)).flatten()
+    advantages, weights, lengths = (x[seqs] for x in replies)
+    reply_sums = mb.sequence_sums if settings["importance_sampling_level"] == "sequence" else None
+    clip = settings["clip_eps"], settings["clip_eps_high"], settings["clip_mode"]
+    loss, stats = policy_loss(logps, sampling_logps, mb.seq_ids, advantages, weights, lengths,
+                              *clip, reply_sums, ref_logps, settings["kl_coef"])
+    # a CP slice holds a share of the tokens: the shares add up
+    return loss, dict(loss=loss.detach(), **dict(zip(POLICY_STATS, stats)))
+
+
+def online_dpo_objective(mb, logps, sampling_logps, ref_logps, num_pairs, settings):
+    """Online DPO on a micro-batch of pairs (each group's best and worst reply) -> (its share of the
+    step loss: its pairs' sigmoid DPO losses / the step's pairs, its sums by name: the loss)."""
+    pc, pr = mb.pair_sums(logps)
+    rc, rr = mb.pair_sums(ref_logps)
+    loss = dpo_loss(pc, pr, rc, rr, None, None, "sigmoid", settings["beta"])[0].sum() / num_pairs
+    # a CP group's ranks hold the same pairs' sums, so the same loss: its first rank counts it
+    first = mb.context is None or mb.context.rank == 0
+    return loss, dict(loss=loss.detach() * first)
+
+
+# train_rl.py's objective by its `loss` key: (the micro-batch loss, its sums' names besides `loss`)
+GRPO = (grpo_objective, POLICY_STATS)
+RL_OBJECTIVES = dict(grpo=GRPO, dapo=GRPO, dr_grpo=GRPO, gspo=GRPO, cispo=GRPO,
+                     online_dpo=(online_dpo_objective, ()))
 
 
 def pair_stats(losses, rewards_chosen, rewards_rejected, policy_chosen, policy_rejected):

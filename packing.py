@@ -272,6 +272,20 @@ def make_batch(data, units, group_size=1, prefix=None):
         num_padding=n_pad)
 
 
+def rank_microbatches(data, units, lengths, token_budget, group_size=1, prefix=None, rank=0,
+                      world_size=1, context=None, busiest=None):
+    """This rank's micro-batches of the data's units: its share of them (lengths: (U,) tokens each
+    unit computes) packed into bins of token_budget (a CP group's: microbatch_tokens x its size), as
+    many on every rank, each cut into this rank's CP slice (context). busiest: where the units are
+    this rank's own (RL's groups; world_size 1), a function of this rank's bin count -> the most any
+    rank has (a collective)."""
+    bins = rank_bins(units, lengths, token_budget, rank, world_size)
+    if busiest is not None:
+        bins += [[]] * (busiest(len(bins)) - len(bins))
+    microbatches = [make_batch(data, b, group_size, prefix) for b in bins]
+    return microbatches if context is None else [context.split(mb) for mb in microbatches]
+
+
 @dataclass
 class Step:
     """One optimizer step. Counts are GLOBAL (all ranks): the loss is normalised exactly without communication."""
@@ -287,9 +301,10 @@ class Step:
 class PackedLoader:
     """One Step per optimizer step, forever (len() = steps per epoch). Step k of epoch e holds the units
     perm[k*B:(k+1)*B] of a permutation seeded by (seed, e): a step's data never depends on world_size or
-    microbatch_tokens, so a run resumes on another number of GPUs. Each rank packs a near-equal share (rank_bins) of
-    the units' pieces (layout: a conversation too long for one micro-batch is cut between its turn examples).
-    state_dict() is the state after the last step returned (or step.state of a step in hand)."""
+    microbatch_tokens, so a run resumes on another number of GPUs. Each rank packs a near-equal
+    share (rank_microbatches) of the units' pieces (layout: a conversation too long for one
+    micro-batch is cut between its turn examples). state_dict() is the state after the last step
+    returned (or step.state of a step in hand)."""
 
     def __init__(self, data, batch_size, microbatch_tokens, rank=0, world_size=1, seed=0, group_size=1,
                  prefix_sharing=False, context=None):
@@ -320,9 +335,9 @@ class PackedLoader:
             self.perm_epoch = self.epoch
         units = self.perm[self.step * self.batch_size:(self.step + 1) * self.batch_size]  # all ranks' units
         pieces = np.concatenate([np.arange(self.pieces[u], self.pieces[u + 1]) for u in units.tolist()])
-        bins = rank_bins(pieces, self.piece_lengths, self.microbatch_tokens, self.rank, self.world_size)
-        micro = [make_batch(self.layout, b, self.group_size, self.prefix) for b in bins]
-        micro = micro if self.context is None else [self.context.split(mb) for mb in micro]
+        micro = rank_microbatches(self.layout, pieces, self.piece_lengths, self.microbatch_tokens,
+                                  self.group_size, self.prefix, self.rank, self.world_size,
+                                  self.context)
         self.step += 1
         return Step(microbatches=micro, num_examples=int(self.sizes[units].sum()),
                     num_groups=len(units) if self.group_size > 1 else 0,

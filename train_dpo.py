@@ -21,7 +21,7 @@ import data.arithmetic as builtin_task
 from nanopack.checkpoint import export_hf, save_checkpoint
 from nanopack import keys
 from nanopack.configurator import configure
-from losses import LOSS_TYPES, STATS, dpo_loss, pair_stats, preference_loss
+from losses import LOSS_TYPES, STATS, RewardShift, dpo_loss, pair_stats, preference_loss
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import PackedLoader, shared_prefixes, target_counts
 from nanopack.parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
@@ -119,13 +119,11 @@ ref = Reference.build(ref_mode, run, ref_key, model, raw_model, tok, origin, (tr
                       loader, val_prefix)
 ref_cache_seconds = time.perf_counter() - t_ref
 targets_train, targets_val = (torch.tensor(target_counts(d).reshape(-1, 2), dtype=torch.float32, device=device)
-                              for d in (train_data, val_data))  # (P, 2): what ipo, simpo divide by
+                              for d in (train_data, val_data))  # (P, 2): what dpo_norm, ipo, simpo divide by
 # step normaliser for sft_weight, on the host
 chosen_targets = target_counts(train_data).reshape(-1, 2)[:, 0]
-# bco_pair's reward shift: the mean of every reward (chosen and rejected, all ranks) of the steps before this one,
-# constant within a step, so that micro-batches and ranks take one big batch's step; saved with the checkpoint
-reward_sum, reward_count = resumed_extras.get("bco_rewards", (0.0, 0))
-shift = lambda: reward_sum / reward_count if reward_count else 0.0
+# bco_pair's reward shift, saved with the checkpoint
+shift = RewardShift(*resumed_extras.get("bco_rewards", (0.0, 0)))
 
 
 def microbatch_loss(mb, num_pairs, num_chosen_targets):
@@ -138,8 +136,8 @@ def microbatch_loss(mb, num_pairs, num_chosen_targets):
     pc, pr = mb.pair_sums(logps)  # (P,) each: one index_add_ over sequence ids
     rc, rr = ref(mb)
     lens = targets_train[mb.units]
-    losses, rewards_c, rewards_r = dpo_loss(pc, pr, rc, rr, lens[:, 0], lens[:, 1], loss_type, beta, label_smoothing,
-                                            gamma, shift())
+    losses, rewards_c, rewards_r = dpo_loss(pc, pr, rc, rr, lens[:, 0], lens[:, 1], loss_type, beta,
+                                            label_smoothing, gamma, shift.value)
     loss = preference_loss(losses, pc, num_pairs, num_chosen_targets, sft_weight)
     return loss * world_size, pair_stats(losses, rewards_c, rewards_r, pc, pr)
 
@@ -149,12 +147,13 @@ def evaluate():
     """Val preference loss, reward accuracy and margin; built-in task: exact-match accuracy; printed and logged."""
     out = {}
     if len(targets_val):
-        policy = split_logps(model, val_data, 4 * microbatch_tokens, device, run.autocast,
-                             val_prefix, cp=run.cp)
-        losses, rewards_c, rewards_r = dpo_loss(policy[:, 0], policy[:, 1], ref.val[:, 0], ref.val[:, 1],
+        val_logps = split_logps(model, val_data, 4 * microbatch_tokens, device, run.autocast,
+                                val_prefix, cp=run.cp)
+        chosen, rejected = val_logps.unbind(1)
+        losses, rewards_c, rewards_r = dpo_loss(chosen, rejected, ref.val[:, 0], ref.val[:, 1],
                                                 targets_val[:, 0], targets_val[:, 1], loss_type, beta,
-                                                label_smoothing, gamma, shift())
-        val_loss = preference_loss(losses, policy[:, 0], len(losses), targets_val[:, 0].sum(), sft_weight)
+                                                label_smoothing, gamma, shift.value)
+        val_loss = preference_loss(losses, chosen, len(losses), targets_val[:, 0].sum(), sft_weight)
         out.update(val_loss=val_loss.item(), val_reward_accuracy=(rewards_c > rewards_r).float().mean().item(),
                    val_reward_margin=(rewards_c - rewards_r).mean().item())
     if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the preferred style
@@ -186,7 +185,7 @@ def log_window(elapsed, n_steps, grad_norm):
     if sft_weight:
         metrics["nll_chosen"] = nll
     if loss_type == "bco_pair":
-        metrics["reward_shift"] = shift()
+        metrics["reward_shift"] = shift.value
     print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | reward acc "
            f"{100 * avg['reward_accuracy']:.1f}% | margin {metrics['reward_margin']:.3f} | lr {lr:.2e} | "
            f"grad norm {metrics['grad_norm']:.2f} | {meter.line(metrics)} | eta {format_eta(eta)}")
@@ -229,10 +228,11 @@ while iter_num < max_iters:
             stats_acc[k] += step_stats[k] * (run.cp.rank == 0)
         pairs_window += step.num_groups
         chosen_targets_window += num_chosen_targets
-        if loss_type == "bco_pair":  # one value on every rank: the step's rewards summed over ranks (a CP group's once)
-            reward_sum += all_reduce_sum([(step_stats["rewards_chosen"] + step_stats["rewards_rejected"]).item()
-                                          * (run.cp.rank == 0)], device)[0]
-            reward_count += 2 * step.num_groups
+        if loss_type == "bco_pair":
+            # one value on every rank: the step's rewards summed over ranks (a CP group's once)
+            step_rewards = (step_stats["rewards_chosen"] + step_stats["rewards_rejected"]).item()
+            (step_rewards,) = all_reduce_sum([step_rewards * (run.cp.rank == 0)], device)
+            shift.update(step_rewards, 2 * step.num_groups)
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
 
@@ -242,7 +242,7 @@ while iter_num < max_iters:
         eval_seconds, train_seconds = 0.0, train_seconds + elapsed
         log_window(elapsed, iter_num - last_log_iter, grad_norm)
         last_log_iter, stats_acc, pairs_window, chosen_targets_window = iter_num, zeros(), 0, 0
-    extras = dict(ref_key=ref_key, before=before, bco_rewards=(reward_sum, reward_count))
+    extras = dict(ref_key=ref_key, before=before, bco_rewards=shift.state_dict())
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()
         results = evaluate()

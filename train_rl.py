@@ -32,9 +32,9 @@ from nanopack import keys
 from nanopack.configurator import configure
 from data.dataset import read_prompts
 from nanopack.generate import generate
-from losses import dpo_loss, group_advantages, loss_weights, policy_loss
+from losses import RL_OBJECTIVES, group_advantages, loss_weights
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
-from packing import group_data, make_batch, rank_bins, shared_prefixes, unit_lengths
+from packing import group_data, rank_microbatches, shared_prefixes, unit_lengths
 from nanopack.parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
 from nanopack.reference import Reference
 from nanopack.rewards import RewardError, Rewards
@@ -114,11 +114,12 @@ config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, 
 # -----------------------------------------------------------------------------
 
 
-policy = loss != "online_dpo"  # the GRPO family: a policy loss on every reply token
+# the objective, chosen once: a micro-batch's loss and the names of its sums
+objective, objective_stats = RL_OBJECTIVES[loss]
 # as TRL: the GRPO family's ratios and KL are to the policy that sampled, at its temperature;
 # online DPO's pairs are scored at 1
-score_at = temperature if policy else 1.0
-if mask_truncated and not policy:
+score_at = temperature if loss in FAMILY else 1.0
+if mask_truncated and loss == "online_dpo":
     fail("config error: mask_truncated=True with loss='online_dpo': a DPO pair trains whole replies; drop "
          "--mask_truncated or choose a loss of the GRPO family")
 try:
@@ -130,7 +131,8 @@ run = start_run(config, __file__, data_kind="rl",
                 init_maker="python train_sft.py && python train_dpo.py")
 device, world_size, rank = run.device, run.world_size, run.rank
 sync_ranks = config["parallel"] == "fsdp" and world_size > 1  # FSDP2: every forward of generation is a collective
-first_of_group = run.cp.rank == 0  # what a CP group's ranks hold alike (its groups, pairs) is counted by this one
+# what a CP group's ranks hold alike (its RL groups, pairs) is counted by its first rank
+first_in_cp = run.cp.rank == 0
 tok = load_tokenizer(config, run.resumed)
 # an HF folder | scratch | the resumed run's
 start, model_config = initial_weights(config, tok, run.resumed)
@@ -140,15 +142,15 @@ stop_ids = set(tok.stop_ids)
 def check_prompt_length(ids, where):
     """A prompt's group must fit one micro-batch and its replies the model's positions, whatever
     they sample."""
-    group = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
-    too_many = group > microbatch_tokens * config["context_parallel"]  # else too many positions
+    group_tokens = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
+    too_many = group_tokens > microbatch_tokens * config["context_parallel"]  # else too many positions
     positions = model_config.max_seq_len
     if len(ids) + max_new_tokens > positions or too_many:
-        cp_needed = -(-group // microbatch_tokens)
+        cp_needed = -(-group_tokens // microbatch_tokens)
         split = (f"raise microbatch_tokens, split it over GPUs with --context_parallel={cp_needed} "
                  f"(torchrun), ") if too_many else ""
         fail(f"data error: {where}: the prompt has {len(ids)} tokens: with "
-             f"max_new_tokens={max_new_tokens} and k={k} its group needs up to {group} tokens, its "
+             f"max_new_tokens={max_new_tokens} and k={k} its group needs up to {group_tokens} tokens, its "
              f"replies {len(ids) + max_new_tokens} positions "
              f"(microbatch_tokens={microbatch_tokens}, max_seq_len={positions}); {split}lower "
              f"max_new_tokens or shorten the prompt")
@@ -181,7 +183,7 @@ iter_num, resumed_extras = restore(run, model, optimizer)  # resume: weights, op
 run.begin(raw_model, iter_num, max_iters)
 # what ckpt.pt records besides the weights: a resumed run starts from it (RL has no token files)
 origin = dict(tokenizer=tok.name, data_dir=None, start=start, model_config=model_config)
-knobs = [*PRESETS["grpo"], "kl_coef"] if policy else ["beta", "dynamic_sampling"]
+knobs = [*PRESETS["grpo"], "kl_coef"] if loss in FAMILY else ["beta", "dynamic_sampling"]
 knobs += ["max_extra_rounds"] * dynamic_sampling
 print0(f"RL: {loss} loss ({', '.join(f'{key}={config[key]}' for key in knobs)}), {len(train_prompts)} train prompts, "
        f"{prompts_per_step} x {k} replies per step, reward {reward_fns}, {len(val_prompts)} held-out prompts")
@@ -222,7 +224,7 @@ def sample(first):
                            generator=gens, sync_ranks=sync_ranks, num_samples=k, top_p=top_p)
     model.train()
     t0 = time.perf_counter()
-    scored = score(prompts, replies, k) if first_of_group else None
+    scored = score(prompts, replies, k) if first_in_cp else None
     # generation without CP: a CP group's ranks draw the same replies (same prompts, generators and weights); its first
     # rank's replies and rewards are the group's, so that a nondeterministic kernel or reward cannot set them apart
     replies, (rewards, each) = run.cp.broadcast((replies, scored))
@@ -272,8 +274,8 @@ def reward_std(rewards, ddof=0):
     """The standard deviation of every rank's rewards (a CP group's counted once), in two passes:
     the sum of squares less the squared sum cancels to 0 for rewards with a large offset (1e8)."""
     r = np.asarray(rewards, dtype=np.float64).ravel()
-    total, n = all_reduce_sum([r.sum() * first_of_group, r.size * first_of_group], device)
-    (squares,) = all_reduce_sum([((r - total / max(n, 1)) ** 2).sum() * first_of_group], device)
+    total, n = all_reduce_sum([r.sum() * first_in_cp, r.size * first_in_cp], device)
+    (squares,) = all_reduce_sum([((r - total / max(n, 1)) ** 2).sum() * first_in_cp], device)
     return math.sqrt(squares / max(n - ddof, 1))
 
 
@@ -282,66 +284,74 @@ def truncated(reply):
     return not reply or reply[-1] not in stop_ids
 
 
-def training_batches(prompts, replies, rewards):
-    """The step's groups -> (host micro-batches, as many on every rank; group size; per reply of this rank's groups
-    trained (the GRPO family): advantages, loss weights, trained tokens; pairs in the step (online_dpo); groups that
-    teach something; tokens unshared). A group whose k rewards are equal is not computed (unless kl_coef > 0: its KL
-    term); it counts in the step's normaliser as TRL counts it (it has no loss)."""
-    rewards = np.asarray(rewards, dtype=np.float64).reshape(-1, k)
-    taught = teaches(rewards)
-    keep = [g for g in range(len(prompts)) if taught[g] or (policy and kl_coef)]
-    cut = np.array([[mask_truncated and truncated(r) for r in group] for group in replies], dtype=bool).reshape(-1, k)
-    lengths = np.array([[len(r) for r in group] for group in replies], dtype=np.int64).reshape(-1, k) * ~cut
+def every_reply(replies, rewards, keep, cut, lengths):
+    """The GRPO family trains every reply of the kept groups (a cut one: none of its tokens) ->
+    (the groups to pack, replies per group, their masks, this rank's share of the step's normaliser,
+    a function of the step's normaliser -> (advantages, loss weights, trained tokens) of each reply
+    of the kept groups)."""
+    masks = [[np.ones(len(r)) * (1 - c) for r, c in zip(replies[g], cut[g])] for g in keep]
     per_step = dict(token_mean=lengths.sum(), reply_mean=lengths.size, constant=lengths.size * max_new_tokens)
-    count = per_step[loss_aggregation] if policy else len(keep)
-    normaliser, trained = all_reduce_sum([count * first_of_group, taught.sum() * first_of_group],
-                                         device)
-    if policy:
-        groups, size = [replies[g] for g in keep], k
-        masks = [[np.ones(len(r)) * (1 - c) for r, c in zip(replies[g], cut[g])] for g in keep]
+
+    def per_reply(normaliser):
         # TRL's: unbiased, over the step
         batch_std = reward_std(rewards, ddof=1) if scale_rewards == "batch" else None
         kept = torch.from_numpy(rewards[keep])  # (G', k); G' = 0: no group, no std to take
         advantages = (group_advantages(kept, scale_rewards, batch_std) if keep else kept).flatten().float()
         reply_tokens = torch.from_numpy(lengths[keep].flatten()).float()
-        weights = loss_weights(reply_tokens, loss_aggregation, max(normaliser, 1))
-        per_reply = [x.to(device) for x in (advantages, weights, reply_tokens)]
-    else:  # online_dpo: the best and the worst reply of each group
-        groups = [[replies[g][rewards[g].argmax()], replies[g][rewards[g].argmin()]] for g in keep]
-        size, masks, per_reply = 2, None, None
-    data = group_data([prompts[g][0] for g in keep], groups, masks)
+        weights = loss_weights(reply_tokens, loss_aggregation, normaliser)
+        return [x.to(device) for x in (advantages, weights, reply_tokens)]
+    return [replies[g] for g in keep], k, masks, per_step[loss_aggregation], per_reply
+
+
+def best_and_worst(replies, rewards, keep, cut, lengths):
+    """Online DPO trains each kept group's best and worst reply as a pair -> as every_reply; the
+    step's normaliser is its pairs."""
+    pairs = [[replies[g][rewards[g].argmax()], replies[g][rewards[g].argmin()]] for g in keep]
+    return pairs, 2, None, len(keep), lambda num_pairs: num_pairs
+
+
+replies_to_train = every_reply if loss in FAMILY else best_and_worst
+
+
+def training_batches(prompts, replies, rewards):
+    """The step's groups -> (host micro-batches, as many on every rank; what the objective needs
+    besides (every_reply's per-reply values, or the step's pairs); groups that teach something;
+    tokens unshared). A group whose k rewards are equal is not computed (unless kl_coef > 0: its KL
+    term); it counts in the step's normaliser as TRL counts it (it has no loss)."""
+    rewards = np.asarray(rewards, dtype=np.float64).reshape(-1, k)
+    taught = teaches(rewards)
+    # kl_coef is the GRPO family's only (configure refuses it with online_dpo)
+    keep = [g for g in range(len(prompts)) if taught[g] or kl_coef]
+    cut = np.array([[mask_truncated and truncated(r) for r in group] for group in replies],
+                   dtype=bool).reshape(-1, k)
+    lengths = np.array([[len(r) for r in group] for group in replies], dtype=np.int64)
+    lengths = lengths.reshape(-1, k) * ~cut
+    units, size, masks, count, step_values = replies_to_train(replies, rewards, keep, cut, lengths)
+    normaliser, trained = all_reduce_sum([count * first_in_cp, taught.sum() * first_in_cp], device)
+    objective_input = step_values(max(normaliser, 1))
+    data = group_data([prompts[g][0] for g in keep], units, masks)
     prefix = shared_prefixes(data, size) if prefix_sharing else None
-    bins = rank_bins(np.arange(len(keep)), unit_lengths(data, size, prefix),
-                     microbatch_tokens * config["context_parallel"])
-    n_forwards = all_reduce_max(len(bins))  # each rank's groups are its own: the busiest rank's count
-    mbs = [run.cp.split(make_batch(data, b, size, prefix)) for b in bins + [[]] * (n_forwards - len(bins))]
-    return mbs, size, per_reply, max(normaliser, 1), trained, int(np.diff(data["offsets"]).sum()) * first_of_group
+    # each rank's groups are its own: as many micro-batches as the busiest rank's
+    mbs = rank_microbatches(data, np.arange(len(keep)), unit_lengths(data, size, prefix),
+                            microbatch_tokens * config["context_parallel"], size, prefix, context=run.cp,
+                            busiest=all_reduce_max)
+    return mbs, objective_input, trained, int(np.diff(data["offsets"]).sum()) * first_in_cp
 
 
-def microbatch_loss(mb, size, per_reply, pairs, old):
-    """This micro-batch's share of the step loss (times world_size: DDP and FSDP average gradients over ranks), and its
-    sums for the log: (loss, -log p of the sampled tokens, tokens, ratios, tokens clipped low, high). old: its state
-    kept over a batch's updates (the sampling policy's and the reference's log-probs)."""
+def microbatch_loss(mb, objective_input, old):
+    """This micro-batch's share of the step loss (times world_size: DDP and FSDP average gradients
+    over ranks), and its sums for the log by name (the objective's, the sampled tokens' -log p and
+    their count). old: its state kept over a batch's updates (the sampling policy's and the
+    reference's log-probs)."""
     with run.autocast:
         # (K,) one per trained token
         logps = model(**mb.inputs(), logprobs=True, temperature=score_at)
     if "ref" not in old:
         old["ref"] = ref.logps(mb, score_at) if ref is not None else None
-        old["policy"] = logps.detach()
-    if policy:
-        seqs = (mb.units[:, None] * size + torch.arange(size, device=device)).flatten()  # the batch's replies
-        advantages, weights, lengths = (x[seqs] for x in per_reply)
-        reply_sums = mb.sequence_sums if importance_sampling_level == "sequence" else None
-        mb_loss, stats = policy_loss(logps, old["policy"], mb.seq_ids, advantages, weights, lengths, clip_eps,
-                                     clip_eps_high, clip_mode, reply_sums, old["ref"], kl_coef)
-        counted = mb_loss.detach()  # a CP slice holds a share of the tokens: the shares add up
-    else:
-        pc, pr = mb.pair_sums(logps)
-        rc, rr = mb.pair_sums(old["ref"])
-        mb_loss = dpo_loss(pc, pr, rc, rr, None, None, "sigmoid", beta)[0].sum() / pairs
-        counted, stats = mb_loss.detach() * first_of_group, torch.zeros(3, device=device)  # alike on a CP group
-    sums = torch.stack([counted, -old["policy"].sum(), torch.tensor(float(mb.num_target_tokens), device=device)])
-    return mb_loss * world_size, torch.cat([sums, stats.float()]).double()
+        old["sampling"] = logps.detach()
+    loss_share, sums = objective(mb, logps, old["sampling"], old["ref"], objective_input, config)
+    sums.update(sampled_nll=-old["sampling"].sum(), target_tokens=float(mb.num_target_tokens))
+    return loss_share * world_size, sums
 
 
 @torch.no_grad()
@@ -364,6 +374,9 @@ def evaluate():
     return out
 
 
+STEP_STATS = ("loss", "sampled_nll", "target_tokens", *objective_stats)  # microbatch_loss's sums
+
+
 def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_norm):
     """Every step's log line (a step takes seconds): its loss, the rewards and lengths of its samples on all ranks
     (every round), its groups, its speed; the policy's ratios and clipping in the step's last update."""
@@ -372,30 +385,43 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
     each = np.concatenate(each)
     every = [r for group in replies for r in group]
     lengths = np.array([len(r) for r in every])
-    perf, (loss_sum, nll, n_tokens, ratios, low, high, r_sum, right, n, reply_tokens, cut,
-           sampled_groups, unshared, *each_sums) = meter.read(train_s, 1, [
-               *sums.tolist(), flat.sum(), (flat >= 1).sum(), len(flat), lengths.sum(),
-               sum(map(truncated, every)), len(replies) * first_of_group, unshared, *each.sum(0).tolist()])
+    # the step's sums by name, all-reduced in one collective with the samples' own
+    samples = dict(r_sum=flat.sum(), right=(flat >= 1).sum(), n=len(flat),
+                   reply_tokens=lengths.sum(), cut=sum(map(truncated, every)),
+                   sampled_groups=len(replies) * first_in_cp, unshared=unshared)
+    step_sums = [sums[name].item() for name in STEP_STATS]
+    perf, values = meter.read(train_s, 1, [*step_sums, *samples.values(), *each.sum(0).tolist()])
+    totals = dict(zip([*STEP_STATS, *samples], values))
+    each_sums = values[len(totals):]
+    r_sum, right, n, reply_tokens, cut, sampled_groups, unshared = map(totals.get, samples)
     each_mean = {name: s / n for name, s in zip(reward_fns.names, each_sums)}  # as TRL logs them: unweighted
     tally[0], tally[1] = tally[0] + trained, tally[1] + sampled_groups
     longest = all_reduce_max(int(lengths.max(initial=0)))
     mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
-    per_token = (lambda x: x / max(n_tokens, 1)) if policy else (lambda x: None)
-    metrics = dict(iter=iter_num, loss=loss_sum, reward_mean=mean, reward_std=reward_std(flat),
-                   accuracy=right / n, reply_tokens=reply_tokens / n, reply_tokens_max=longest, truncated=cut / n,
-                   groups_trained=trained, groups_sampled=sampled_groups, sampling_rounds=rounds,
-                   sampled_nll=nll / max(n_tokens, 1), ratio_mean=per_token(ratios), clip_low=per_token(low),
-                   clip_high=per_token(high), gen_ms=1000 * gen_s, reward_ms=1000 * reward_s, train_ms=1000 * train_s,
-                   tokens_unshared=unshared, lr=lr, grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps,
-                   **perf, **{f"rewards/{name}/mean": m for name, m in each_mean.items()})
+    n_tokens = max(totals["target_tokens"], 1)
+    per_token = {name: totals[name] / n_tokens for name in objective_stats}  # the GRPO family's
+    metrics = dict(iter=iter_num, loss=totals["loss"], reward_mean=mean,
+                   reward_std=reward_std(flat), accuracy=right / n, reply_tokens=reply_tokens / n,
+                   reply_tokens_max=longest, truncated=cut / n, groups_trained=trained,
+                   groups_sampled=sampled_groups, sampling_rounds=rounds,
+                   sampled_nll=totals["sampled_nll"] / n_tokens,
+                   ratio_mean=per_token.get("ratio_sum"), clip_low=per_token.get("clipped_low"),
+                   clip_high=per_token.get("clipped_high"),
+                   gen_ms=1000 * gen_s, reward_ms=1000 * reward_s, train_ms=1000 * train_s,
+                   tokens_unshared=unshared, lr=lr, grad_norm=grad_norm.item(),
+                   skipped_steps=run.guard.skipped_steps, **perf,
+                   **{f"rewards/{name}/mean": m for name, m in each_mean.items()})
     capped = "; max_extra_rounds reached" if trained < prompts_per_step else ""
-    groups = f"groups {trained:.0f}/{sampled_groups:.0f} trained" + (f" ({rounds} rounds{capped})" * (rounds > 1))
+    groups_line = f"groups {trained:.0f}/{sampled_groups:.0f} trained"
+    groups_line += f" ({rounds} rounds{capped})" * (rounds > 1)
+    if not trained:
+        groups_line += ": every group's rewards were equal, nothing learned"
     parts = f" ({', '.join(f'{name} {m:.3f}' for name, m in each_mean.items())})" * (len(each_mean) > 1)
-    print0(f"iter {iter_num}/{max_iters} | loss {loss_sum:.4f} | reward {mean:.3f}{parts} | accuracy "
-           f"{100 * metrics['accuracy']:.1f}% | " + (groups if trained else f"{groups}: every group's rewards were "
-           f"equal, nothing learned") + f" | reply {reply_tokens / n:.1f} tokens (max {longest}, "
-           f"{100 * cut / n:.0f}% cut) | ms: gen {1000 * gen_s:.0f}, reward {1000 * reward_s:.0f}, train "
-           f"{1000 * train_s:.0f} | tokens {perf['tokens']:,.0f} (unshared {unshared:,.0f}) | eta {format_eta(eta)}")
+    print0(f"iter {iter_num}/{max_iters} | loss {totals['loss']:.4f} | reward {mean:.3f}{parts} | "
+           f"accuracy {100 * metrics['accuracy']:.1f}% | {groups_line} | reply "
+           f"{reply_tokens / n:.1f} tokens (max {longest}, {100 * cut / n:.0f}% cut) | ms: gen "
+           f"{1000 * gen_s:.0f}, reward {1000 * reward_s:.0f}, train {1000 * train_s:.0f} | tokens "
+           f"{perf['tokens']:,.0f} (unshared {unshared:,.0f}) | eta {format_eta(eta)}")
     logger.log(metrics)
 
 
@@ -412,23 +438,24 @@ while iter_num < max_iters:
     lr = set_lr(optimizer, lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
     (prompts, replies, rewards), sampled, reward_s, prompts_drawn = collect(prompts_drawn)
-    batches, size, per_reply, normaliser, trained, unshared = training_batches(prompts, replies, rewards)
+    batches, objective_input, trained, unshared = training_batches(prompts, replies, rewards)
     gen_s = time.perf_counter() - t0 - reward_s
     meter.count(batches, data_time=0.0)
     mbs, states = [mb.to(device) for mb in batches], [{} for _ in batches]
     stopping = False  # a stop signal is honoured after the step's last update
     for _ in range(updates_per_batch):
         step_loss = torch.zeros((), device=device, dtype=torch.float64)  # this rank's part, checked finite
-        sums = torch.zeros(6, device=device, dtype=torch.float64)  # for the log: microbatch_loss's, this update's
+        # for the log: microbatch_loss's sums by name, this update's
+        sums = {name: torch.zeros((), device=device, dtype=torch.float64) for name in STEP_STATS}
         for i, (mb, old) in enumerate(zip(mbs, states)):
             with sync_gradients(model, enabled=i == len(mbs) - 1):
-                mb_loss, mb_sums = microbatch_loss(mb, size, per_reply, normaliser, old)  # `loss` is the config key
-                mb_loss.backward()
-            step_loss += mb_loss.detach() / world_size
-            sums += mb_sums
+                loss_share, mb_sums = microbatch_loss(mb, objective_input, old)
+                loss_share.backward()
+            step_loss += loss_share.detach() / world_size
+            for name in STEP_STATS:
+                sums[name] += mb_sums[name]
         grad_norm = clip_grad_norm(model, grad_clip)
-        # finite on every rank? a stop signal?
-        update, stop = run.guard.check(model, step_loss, grad_norm, iter_num + 1)
+        update, stop = run.guard.check(model, step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
         if update:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)

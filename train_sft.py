@@ -20,7 +20,7 @@ from nanopack.checkpoint import export_hf, save_checkpoint
 from nanopack import keys
 from nanopack.configurator import configure
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
-from packing import IGNORE_INDEX, PackedLoader, layout, make_batch, rank_bins
+from packing import IGNORE_INDEX, PackedLoader, layout, rank_microbatches
 from nanopack.parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
 from nanopack.run import clip_grad_norm, lr_at, set_lr, start_run
 from nanopack.startup import (data_summary, initial_weights, load_model, load_splits,
@@ -108,9 +108,8 @@ def evaluate():
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
     n_targets = 0
     budget = microbatch_tokens * config["context_parallel"]
-    for units in rank_bins(np.arange(len(lengths)), lengths, budget, run.cp.data_rank,
-                           run.cp.data_size):
-        mb = run.cp.split(make_batch(val, units, 1, prefix))
+    for mb in rank_microbatches(val, np.arange(len(lengths)), lengths, budget, 1, prefix,
+                                run.cp.data_rank, run.cp.data_size, run.cp):
         n_targets += mb.num_target_tokens
         mb = mb.to(device)
         with run.autocast:

@@ -304,7 +304,8 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
                 (hub, "check_same_on_all_ranks", lambda pins: None),
                 (configurator, "restore_saved", refuse_resume), (dataset, "read_prompts", read_prompts),
                 (generation, "generate", generate),
-                (generation, "packed", on_host(generation.packed)), (packing, "rank_bins", rank_bins),
+                (generation, "packed", on_host(generation.packed)),
+                (packing, "rank_microbatches", rank_bins),
                 (fully_shard_module, "_init_default_mesh", default_mesh),
                 (run_start.StepGuard, "check", lambda self, *a: (True, False)),
                 # a plan has no step to finish: Ctrl-C and SIGTERM stop it at once, not after a step and a checkpoint

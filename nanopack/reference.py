@@ -19,7 +19,7 @@ import torch.distributed as dist
 from nanopack import startup
 from nanopack.context import ContextParallel
 from nanopack.lora import adapters_disabled
-from packing import make_batch, rank_bins, unit_lengths
+from packing import rank_microbatches, unit_lengths
 from nanopack.parallel import all_reduce_sum, print0
 
 
@@ -33,8 +33,10 @@ def split_logps(model, data, budget, device, autocast, prefix=None, group_size=2
     model.eval()
     lengths = unit_lengths(data, group_size, prefix)
     sums = torch.zeros(len(lengths), group_size, device=device)
-    for units in rank_bins(np.arange(len(lengths)), lengths, budget * cp.size, cp.data_rank, cp.data_size):
-        mb = cp.split(make_batch(data, units, group_size, prefix)).to(device)
+    units = np.arange(len(lengths))
+    for mb in rank_microbatches(data, units, lengths, budget * cp.size, group_size, prefix,
+                                cp.data_rank, cp.data_size, cp):
+        mb = mb.to(device)
         with autocast:
             logps = model(**mb.inputs(), logprobs=True)
         sums[mb.units] = mb.group_sums(logps, group_size)
