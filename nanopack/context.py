@@ -1,12 +1,13 @@
 """
-Context parallelism (CP) on the packed stream, so that one sequence may be longer than one GPU's micro-batch (Llama 3,
-arXiv 2407.21783 §3.3.2). The `size` ranks of a CP group (consecutive ranks: one node's fast links) take the same
-micro-batch and each computes a slice: every sequence is cut into 2*size chunks dealt head-tail (rank r takes chunks r
-and 2*size-1-r), which gives each rank the same causal attention work. A slice is a batch of query pieces over a
-longer key stream (packing.py's kv), each attending to its sequence's keys up to its own end, read from K/V
-all-gathered over the group in every layer. All else is per token; per-sequence sums are all-reduced over the group.
-Gradients: DDP / FSDP2 average over all ranks, so the scripts multiply every rank's loss by world_size, as without CP,
-and the group's shares add up.
+Context parallelism (CP) on the packed stream, so that one sequence may be longer than one GPU's
+micro-batch (Llama 3, arXiv 2407.21783 §3.3.2). The `size` ranks of a CP group (consecutive ranks:
+one node's fast links) take the same micro-batch and each computes a slice: every sequence is cut
+into 2*size chunks dealt head-tail (rank r takes chunks r and 2*size-1-r), which gives each rank the
+same causal attention work. A slice is a batch of query pieces over a longer key stream
+(packing.py's kv), each attending to its sequence's keys up to its own end, read from K/V
+all-gathered over the group in every layer. All else is per token; per-sequence sums are all-reduced
+over the group. Gradients: DDP / FSDP2 average over all ranks, so the scripts multiply every rank's
+loss by world_size, as without CP, and the group's shares add up.
 """
 import datetime
 from dataclasses import dataclass, replace
@@ -23,7 +24,8 @@ REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sca
 
 
 class Gather(torch.autograd.Function):
-    """(T, ...) rows on each rank -> (size * T, ...), rank after rank; backward: a reduce-scatter of the gradients."""
+    """(T, ...) rows on each rank -> (size * T, ...), rank after rank; backward: a reduce-scatter
+    of the gradients."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -40,8 +42,9 @@ class Gather(torch.autograd.Function):
 
 
 class Sum(torch.autograd.Function):
-    """All-reduce (sum) forward, identity backward: every rank computes the same loss from the sums, and the ranks'
-    gradients add up to its gradient once (Megatron's reduce_from_tensor_model_parallel_region)."""
+    """All-reduce (sum) forward, identity backward: every rank computes the same loss from the
+    sums, and the ranks' gradients add up to its gradient once (Megatron's
+    reduce_from_tensor_model_parallel_region)."""
 
     @staticmethod
     def forward(ctx, x, group):
@@ -85,61 +88,81 @@ class ContextParallel:
         return box[0]
 
     def split(self, mb):
-        """This rank's slice of a host micro-batch: its chunks of every sequence, padded at the end (a query segment of
-        its own) to the longest slice: the ranks' totals differ by one at most."""
+        """This rank's slice of a host micro-batch: its chunks of every sequence, padded at the end
+        (a query segment of its own) to the longest slice: the ranks' totals differ by one at
+        most."""
         if self.size == 1:
             return mb
         C, r = self.size, self.rank
         cu = mb.cu_seqlens.numpy().astype(np.int64)
-        q_lens, T = np.diff(cu), int(cu[-1])  # (S,) query segments: sequences, or a filler's dummy token
-        kv_index, cu_k = (np.arange(T), cu) if mb.kv is None else (mb.kv[0].numpy(), mb.kv[1].numpy().astype(np.int64))
-        # rows per rank per sequence: equal shares, the remainders dealt round the ranks in turn across sequences
+        # (S,) query segments: sequences, or a filler's dummy token
+        q_lens, T = np.diff(cu), int(cu[-1])
+        kv_index, cu_k = ((np.arange(T), cu) if mb.kv is None
+                          else (mb.kv[0].numpy(), mb.kv[1].numpy().astype(np.int64)))
+        # rows per rank per sequence: equal shares, remainders dealt round the ranks in turn
         rem = q_lens % (2 * C)
-        turn = (np.cumsum(rem) - rem) % C  # (S,) the rank that takes this sequence's first remainder row
-        n = ((q_lens - rem) // C + rem // C)[:, None] + ((np.arange(C) - turn[:, None]) % C < (rem % C)[:, None])
-        sizes = np.concatenate([n // 2, (n - n // 2)[:, ::-1]], 1)  # (S, 2C) chunk lengths: rank r's are r, 2C-1-r
+        # (S,) the rank that takes this sequence's first remainder row
+        turn = (np.cumsum(rem) - rem) % C
+        n = (((q_lens - rem) // C + rem // C)[:, None]
+             + ((np.arange(C) - turn[:, None]) % C < (rem % C)[:, None]))
+        # (S, 2C) chunk lengths: rank r's are r, 2C-1-r
+        sizes = np.concatenate([n // 2, (n - n // 2)[:, ::-1]], 1)
         ends = np.cumsum(sizes, 1)
-        owner = np.repeat(np.tile(np.r_[np.arange(C), np.arange(C)[::-1]], len(q_lens)), sizes.ravel())  # (T,)
+        # (T,)
+        owner = np.repeat(np.tile(np.r_[np.arange(C), np.arange(C)[::-1]], len(q_lens)),
+                          sizes.ravel())
         T_local = max(1, int(np.bincount(owner, minlength=C).max()))
-        where = np.empty(T, np.int64)  # row of the whole stream -> its row in the gathered (size * T_local) stream
+        # row of the whole stream -> its row in the gathered (size * T_local) stream
+        where = np.empty(T, np.int64)
         for s in range(C):
             mine = np.flatnonzero(owner == s)
             where[mine] = s * T_local + np.arange(len(mine))
-        rows = np.flatnonzero(owner == r)  # ascending: sequence by sequence, head chunk then tail chunk
+        # ascending: sequence by sequence, head chunk then tail chunk
+        rows = np.flatnonzero(owner == r)
         pad = T_local - len(rows)
-        # this rank's pieces, in stream order: (sequence, end within it, length); each reads its sequence's keys up to
-        # its end (with a shared prompt the keys start P rows before the queries: kv's bottom-right alignment)
+        # this rank's pieces (sequence, end, length), each reading its sequence's keys up to its end
+        # (a shared prompt's keys start P rows before the queries: kv's bottom-right alignment)
         b, length = ends[:, [r, 2 * C - 1 - r]].ravel(), sizes[:, [r, 2 * C - 1 - r]].ravel()
         seq = np.repeat(np.arange(len(q_lens)), 2)[length > 0]
         b, length = b[length > 0], length[length > 0]
         k_end = cu_k[seq] + (np.diff(cu_k) - q_lens)[seq] + b
-        keys = np.r_[where[kv_index[ranges(cu_k[seq], k_end)]], r * T_local + len(rows) + np.arange(pad)]
+        keys = np.r_[where[kv_index[ranges(cu_k[seq], k_end)]],
+                     r * T_local + len(rows) + np.arange(pad)]
         k_lens = np.r_[k_end - cu_k[seq], [pad] * (pad > 0)].astype(np.int64)
         q_lens_local = np.r_[length, [pad] * (pad > 0)].astype(np.int64)
         long = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.int64))
         cum = lambda a: torch.from_numpy(np.r_[0, np.cumsum(a)].astype(np.int32))
-        if mb.target_rows is None:  # SFT: a target slot per row; the padding's are IGNORE, in the filler slot N
-            tgt = dict(targets=long(np.r_[mb.targets.numpy()[rows], np.full(pad, IGNORE_INDEX)]), target_rows=None,
-                       seq_ids=long(np.r_[mb.seq_ids.numpy()[rows], np.full(pad, mb.num_sequences)]))
-        else:  # target triples: those whose row is this rank's
+        # SFT: a target slot per row; the padding's are IGNORE, in the filler slot N
+        if mb.target_rows is None:
+            tgt = dict(targets=long(np.r_[mb.targets.numpy()[rows], np.full(pad, IGNORE_INDEX)]),
+                       target_rows=None,
+                       seq_ids=long(np.r_[mb.seq_ids.numpy()[rows],
+                                          np.full(pad, mb.num_sequences)]))
+        # target triples: those whose row is this rank's
+        else:
             tr = mb.target_rows.numpy()
             mine = owner[tr] == r
-            tgt = dict(targets=long(mb.targets.numpy()[mine]), target_rows=long(where[tr[mine]] - r * T_local),
+            tgt = dict(targets=long(mb.targets.numpy()[mine]),
+                       target_rows=long(where[tr[mine]] - r * T_local),
                        seq_ids=long(mb.seq_ids.numpy()[mine]))
-        real = int((rows < mb.num_tokens).sum())  # a filler's dummy token is no real token
+        # a filler's dummy token is no real token
+        real = int((rows < mb.num_tokens).sum())
         zeros = np.zeros(pad, np.int64)
         return replace(mb, **tgt, input_ids=long(np.r_[mb.input_ids.numpy()[rows], zeros]),
                        position_ids=long(np.r_[mb.position_ids.numpy()[rows], zeros]),
                        cu_seqlens=cum(q_lens_local), max_seqlen=int(q_lens_local.max()),
-                       kv=(long(keys), cum(k_lens), int(k_lens.max())), context=self, num_tokens=real,
-                       num_target_tokens=int((tgt["targets"] != IGNORE_INDEX).sum()), num_padding=T_local - real)
+                       kv=(long(keys), cum(k_lens), int(k_lens.max())), context=self,
+                       num_tokens=real,
+                       num_target_tokens=int((tgt["targets"] != IGNORE_INDEX).sum()),
+                       num_padding=T_local - real)
 
 
 def setup(context_parallel, rank, world_size, timeout_s=300):
-    """-> this rank's ContextParallel; every rank creates every group (the process group API needs it)."""
+    """-> this rank's ContextParallel; every rank creates every group (the process group API needs
+    it)."""
     if context_parallel == 1:
         return ContextParallel(data_rank=rank, data_size=world_size)
-    # ranks [d * size, (d + 1) * size) for each d; a collective waiting past timeout_s fails instead of hanging
+    # ranks [d * size, (d + 1) * size) for each d; past timeout_s a collective fails, not hangs
     group, _ = dist.new_subgroups(context_parallel, timeout=datetime.timedelta(seconds=timeout_s))
     return ContextParallel(context_parallel, rank % context_parallel, rank // context_parallel,
                            world_size // context_parallel, group)
