@@ -19,9 +19,10 @@ from nanopack.checkpoint import load_checkpoint
 from nanopack import hub
 from nanopack.parallel import fail, is_master
 
-FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer", "batch_size", "seed",
-                   "max_len", "overlong", "val_fraction", "lora_rank", "lora_alpha", "lora_dropout", "lora_targets",
-                   "quantize_base", "chat_template_kwargs", "reasoning_turns", "bad_records",
+FIXED_ON_RESUME = ("data", "data_split", "val_data", "val_split", "preset", "tokenizer",
+                   "batch_size", "seed", "max_len", "overlong", "val_fraction", "lora_rank",
+                   "lora_alpha", "lora_dropout", "lora_targets", "quantize_base",
+                   "chat_template_kwargs", "reasoning_turns", "bad_records",
                    "fields")
 DATA_SUFFIXES = (".jsonl", ".json", ".gz", ".parquet", ".csv", ".txt")
 
@@ -39,12 +40,14 @@ def _check(config, key, value, text, where):
                           f"them)")
     default = config[key]
     if default in (None, "auto"):
-        return value  # None and 'auto' defaults take values of other types too; the rules check them
+        # None and 'auto' defaults take values of other types too; the rules check them
+        return value
     if isinstance(default, str) and text is not None:
         return text  # a string key takes the text as written: --wandb_run_name=123
     if isinstance(default, dict) and isinstance(value, str) and text is not None:
         value = parse_dict(text, key, where)
-    same_kind = isinstance(value, bool) == isinstance(default, bool)  # True is an int to Python, not a batch size
+    # True is an int to Python, not a batch size
+    same_kind = isinstance(value, bool) == isinstance(default, bool)
     if same_kind and isinstance(value, type(default)):
         return value
     if same_kind and isinstance(default, float) and isinstance(value, int):
@@ -54,11 +57,13 @@ def _check(config, key, value, text, where):
 
 
 def parse_dict(text, key, where):
-    """A dict as a Python literal ({'enable_thinking': False}) or as JSON ({"enable_thinking": false})."""
+    """A dict as a Python literal ({'enable_thinking': False}) or as JSON
+    ({"enable_thinking": false})."""
     try:
         return json.loads(text)
     except ValueError:
-        raise ConfigError(f"{where}: {key}={text!r} is neither a Python dict ({{'enable_thinking': False}}) nor JSON "
+        raise ConfigError(f"{where}: {key}={text!r} is neither a Python dict "
+                          f"({{'enable_thinking': False}}) nor JSON "
                           f"({{\"enable_thinking\": false}})") from None
 
 
@@ -116,7 +121,8 @@ def read_values(config, argv, finetune, rules, presets, read_by):
             chosen = set_defaults(config, values, given, finetune) if finetune and pretrained(
                 values.get("init_from", "")) else {}
             if chosen and is_master():
-                print(f"fine-tuning a pretrained model: {', '.join(f'{k}={v}' for k, v in chosen.items())} "
+                shown = ', '.join(f'{k}={v}' for k, v in chosen.items())
+                print(f"fine-tuning a pretrained model: {shown} "
                       f"(defaults for real models; set them to change)", flush=True)
         for key, rule in (rules or {}).items():
             if key in values:  # shared rules (keys.RULES) name keys some scripts lack
@@ -154,13 +160,15 @@ def check_rule(c, key, rule):
         return
     if isinstance(rule, tuple):
         if value not in rule:
-            why = "; float16 needs loss scaling that nanopack does not do: bfloat16 has float32's range" * (
-                value in ("float16", "fp16", "half"))
+            why = ("; float16 needs loss scaling that nanopack does not do: bfloat16 has "
+                   "float32's range") * (value in ("float16", "fp16", "half"))
             raise ConfigError(f"{key}={value!r}; choose one of {', '.join(map(str, rule))}{why}")
         return
     left, low, high, right = re.fullmatch(r"([\[(])(.+), (.+)([\])])", rule).groups()
-    lo, hi = (eval(end, {"__builtins__": {}}, dict(c, inf=math.inf)) for end in (low, high))  # our own rules only
-    if (value >= lo if left == "[" else value > lo) and (value <= hi if right == "]" else value < hi):
+    # our own rules only
+    lo, hi = (eval(end, {"__builtins__": {}}, dict(c, inf=math.inf)) for end in (low, high))
+    if ((value >= lo if left == "[" else value > lo)
+            and (value <= hi if right == "]" else value < hi)):
         return
     if hi == math.inf:
         need = f"at least {lo}" if left == "[" else f"a finite number greater than {lo}"
@@ -190,9 +198,11 @@ def print_block(path, config):
     """The file at `path` from the comments above its first key to its last key: each key with
     its value in `config` and its comment, and the comment lines between."""
     lines = open(path).read().splitlines()
+    # sample.py keeps its keys under __main__
     keys = {stmt.lineno: stmt.targets[0].id for node in ast.parse("\n".join(lines)).body
-            for stmt in (node.body if isinstance(node, ast.If) else [node])  # sample.py keeps its keys under __main__
-            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name) and stmt.targets[0].id in config
+            for stmt in (node.body if isinstance(node, ast.If) else [node])
+            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)
+            and stmt.targets[0].id in config
             and is_key(stmt.targets[0].id, config[stmt.targets[0].id])}
     first = min(keys)
     while lines[first - 2].strip().startswith("#"):  # the comments above the first key
@@ -200,35 +210,40 @@ def print_block(path, config):
     for n in range(first, max(keys) + 1):
         line = lines[n - 1]
         if n in keys:
-            print(f"  --{keys[n]}={config[keys[n]]!r}  {line[line.find('#'):] if '#' in line else ''}".rstrip())
+            comment = line[line.find('#'):] if '#' in line else ''
+            print(f"  --{keys[n]}={config[keys[n]]!r}  {comment}".rstrip())
         elif line.strip().startswith("#") and "-----" not in line:
             print(f"  {line.strip()}")
 
 
 def pretrained(init_from):
     """A model folder with its own tokenizer files, not an export of our byte-level toy runs."""
-    return any(os.path.exists(os.path.join(init_from, f)) for f in ("tokenizer.json", "tokenizer.model"))
+    return any(os.path.exists(os.path.join(init_from, f))
+               for f in ("tokenizer.json", "tokenizer.model"))
 
 
 def restore_saved(config, values, given):
     path = os.path.join(values["out_dir"], "ckpt.pt")
     if not os.path.exists(path):
-        raise ConfigError(f"init_from='resume' but {path} does not exist; run without init_from='resume' first, "
-                          f"or point out_dir at the run to continue")
+        raise ConfigError(f"init_from='resume' but {path} does not exist; run without "
+                          f"init_from='resume' first, or point out_dir at the run to continue")
     ckpt = load_checkpoint(path)
     check_same_script(ckpt, os.path.basename(config.get("__file__") or ""), values["out_dir"])
     saved = ckpt["config"]
     pins, names = saved.get("hub") or {}, saved.get("hub_names") or {}
     for key, old in saved.items():
-        if key not in values or key in ("init_from", "out_dir"):  # where the run is now, and that it resumes
+        # where the run is now, and that it resumes
+        if key not in values or key in ("init_from", "out_dir"):
             continue
         new = values[key]
         if key not in given or new == old or hub.recorded_as(new, pins.get(key), names.get(key)):
             values[key] = config[key] = old
         elif key in FIXED_ON_RESUME:
-            old = (saved.get("hub") or {}).get(key, old)  # a hub name: as the run recorded it, not its cache folder
-            raise ConfigError(f"{key}={new!r} differs from the run being resumed ({key}={old!r}), and {key} cannot "
-                              f"change on resume; drop --{key}, or start a new run in another out_dir")
+            # a hub name: as the run recorded it, not its cache folder
+            old = (saved.get("hub") or {}).get(key, old)
+            raise ConfigError(f"{key}={new!r} differs from the run being resumed ({key}={old!r}), "
+                              f"and {key} cannot change on resume; drop --{key}, or start a new "
+                              f"run in another out_dir")
         elif is_master():
             print(f"resume: overriding {key} {old!r} -> {new!r}", flush=True)
     if pins:  # the commits the run read: it reads them again
@@ -263,7 +278,8 @@ def check_same_script(ckpt, script, out_dir):
 
 def is_key(name, value):
     """A config key: a global of the script of a plain type; a _private or CONSTANT name is none."""
-    return not (name.startswith("_") or name.isupper()) and isinstance(value, (int, float, bool, str, dict, type(None)))
+    return (not (name.startswith("_") or name.isupper())
+            and isinstance(value, (int, float, bool, str, dict, type(None))))
 
 
 def apply_overrides(config, argv, given=None):
@@ -277,8 +293,9 @@ def apply_overrides(config, argv, given=None):
             value = _check(keys, key, _parse(text), text, f"argument {arg!r}")
         elif not (arg.endswith(".py") and os.path.isfile(arg)):
             data = arg.endswith(DATA_SUFFIXES) or os.path.isdir(arg)
-            raise ConfigError(f"argument {arg!r}: " + (f"a config file is a .py file that exists; is it data? pass "
-                              f"--data={arg}" if data else "no such config file (a .py file), and not --key=value"))
+            raise ConfigError(f"argument {arg!r}: " + (
+                f"a config file is a .py file that exists; is it data? pass --data={arg}" if data
+                else "no such config file (a .py file), and not --key=value"))
         else:  # a config file: plain Python assignments
             scope = {}
             exec(compile(open(arg).read(), arg, "exec"), {}, scope)
