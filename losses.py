@@ -1,47 +1,55 @@
 """
 The losses on log-probs, pure functions of tensors (tests/test_dpo_loss.py, tests/test_train_rl.py):
-  dpo_loss          the DPO family: sigmoid (DPO), ipo, hinge, dpo_norm, simpo, apo_zero, robust, bco_pair
-                    (train_dpo.py; online DPO in train_rl.py), tested against TRL (docs/dpo.md: which setting)
-  preference_loss   the step's loss from dpo_loss's: the mean over pairs, plus an SFT term (sft_weight)
-  group_advantages  the GRPO family's advantages: rewards less their group's mean, scaled by a std (or not)
-  policy_loss       the GRPO family's loss on a micro-batch: PPO's or CISPO's clip of a ratio per token or per reply
-                    (GSPO), each token weighted by loss_weights (the step's aggregation), + a KL estimate to a reference
+  dpo_loss          the DPO family: sigmoid (DPO), ipo, hinge, dpo_norm, simpo, apo_zero, robust,
+                    bco_pair (train_dpo.py; online DPO in train_rl.py), tested against TRL
+  preference_loss   the step's loss from dpo_loss's: the mean over pairs, plus an SFT term
+  group_advantages  the GRPO family's advantages: rewards less their group's mean, scaled (or not)
+  policy_loss       the GRPO family's loss on a micro-batch: PPO's or CISPO's clip of a ratio per
+                    token or per reply (GSPO), weighted per token, + a KL estimate to a reference
   RL_OBJECTIVES     train_rl.py's objective by name: grpo_objective (the GRPO family) or
                     online_dpo_objective
-  pair_stats        named per-pair statistics (rewards, reward accuracy, log-probs), summed, for exact means
-A pair p is sequences 2p (chosen) and 2p+1 (rejected); mb.pair_sums(per-target values) -> (chosen (P,), rejected (P,)).
+  pair_stats        named per-pair statistics (rewards, reward accuracy, log-probs), summed
+A pair p is sequences 2p (chosen) and 2p+1 (rejected);
+mb.pair_sums(per-target values) -> (chosen (P,), rejected (P,)).
 """
 import torch
 import torch.nn.functional as F
 
 LOSS_TYPES = ("sigmoid", "ipo", "hinge", "dpo_norm", "simpo", "apo_zero", "robust", "bco_pair")
-STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy", "logps_chosen", "logps_rejected")
+STATS = ("loss", "rewards_chosen", "rewards_rejected", "reward_accuracy",
+         "logps_chosen", "logps_rejected")
 
 
 def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, len_chosen, len_rejected,
              loss_type, beta, label_smoothing=0.0, gamma=0.0, shift=0.0):
-    """-> per-pair losses (P,) and rewards beta * (policy - reference) (chosen (P,), rejected (P,)) from per-sequence
-    log-prob sums; per response token for ipo (TRL's convention), dpo_norm and simpo (which has no reference).
-    shift: bco_pair's reward shift (RewardShift.value, the running mean of the rewards)."""
+    """-> per-pair losses (P,) and rewards beta * (policy - reference) (chosen (P,), rejected (P,))
+    from per-sequence log-prob sums; per response token for ipo (TRL's convention), dpo_norm and
+    simpo (which has no reference). shift: bco_pair's reward shift (RewardShift.value)."""
     pc, pr, rc, rr = policy_chosen, policy_rejected, ref_chosen, ref_rejected
     if loss_type in ("ipo", "dpo_norm", "simpo"):
         pc, pr, rc, rr = pc / len_chosen, pr / len_rejected, rc / len_chosen, rr / len_rejected
     if loss_type == "simpo":
         rc, rr = torch.zeros_like(rc), torch.zeros_like(rr)
-    rewards_c, rewards_r = beta * (pc - rc), beta * (pr - rr)  # the implicit rewards, each side's own
-    h = (pc - rc) - (pr - rr)  # how much more than the reference the policy prefers chosen over rejected
+    # the implicit rewards, each side's own
+    rewards_c, rewards_r = beta * (pc - rc), beta * (pr - rr)
+    # how much more than the reference the policy prefers chosen over rejected
+    h = (pc - rc) - (pr - rr)
     if loss_type == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
         losses = torch.relu(1 - beta * h)
-    elif loss_type == "apo_zero":  # each reward against 0, not against the other's: chosen up, rejected down (APO)
+    elif loss_type == "apo_zero":
+        # APO: each reward against 0, not against the other's
         losses = (1 - torch.sigmoid(rewards_c)) + torch.sigmoid(rewards_r)
-    elif loss_type == "bco_pair":  # a binary classifier of each side's reward, its boundary at the shift (BCO)
+    elif loss_type == "bco_pair":
+        # BCO: a binary classifier of each side's reward, its boundary at the shift
         losses = -F.logsigmoid(rewards_c - shift) - F.logsigmoid(-(rewards_r - shift))
-    elif loss_type == "robust":  # unbiased under labels flipped with probability label_smoothing (rDPO)
+    elif loss_type == "robust":
+        # rDPO: unbiased under labels flipped with probability label_smoothing
         eps, z = label_smoothing, beta * h
         losses = (-(1 - eps) * F.logsigmoid(z) + eps * F.logsigmoid(-z)) / (1 - 2 * eps)
-    else:  # sigmoid, dpo_norm, simpo: logistic, with a margin gamma for simpo
+    else:
+        # sigmoid, dpo_norm, simpo: logistic, with a margin gamma for simpo
         z = beta * h - (gamma if loss_type == "simpo" else 0.0)
         losses = -(1 - label_smoothing) * F.logsigmoid(z) - label_smoothing * F.logsigmoid(-z)
     return losses, rewards_c.detach(), rewards_r.detach()
@@ -68,15 +76,16 @@ class RewardShift:
         return (self.reward_sum, self.count)
 
 
+
 def preference_loss(losses, policy_chosen, num_pairs, num_chosen_targets, sft_weight):
-    """The pairs' share of a step's loss: their summed losses / the step's pairs, plus sft_weight x their chosen NLL per
-    target token of the step's chosen responses (RPO; TRL's loss_type=[..., 'sft'], loss_weights=[1, sft_weight])."""
+    """The pairs' share of a step's loss: their summed losses / the step's pairs, plus sft_weight x
+    their chosen NLL per chosen target token of the step (RPO; TRL's loss_type=[..., 'sft'])."""
     return losses.sum() / num_pairs - sft_weight * policy_chosen.sum() / num_chosen_targets
 
 
 def group_advantages(rewards, scale="group", batch_std=None):
-    """(G, k) rewards of k replies per prompt -> advantages: each reward less its group's mean, over the group's
-    standard deviation (scale='group'), the step's (batch_std: all its rewards, all ranks) or none, + 1e-4 (TRL's)."""
+    """(G, k) rewards of k replies per prompt -> advantages: each reward less its group's mean, over
+    the group's std (scale='group'), the step's (batch_std, all ranks) or none, + 1e-4 (TRL's)."""
     centred = rewards - rewards.mean(1, keepdim=True)
     if scale == "none":
         return centred
@@ -84,8 +93,9 @@ def group_advantages(rewards, scale="group", batch_std=None):
 
 
 def clipped_objective(ratio, advantages, clip_low, clip_high, clip_mode, logps=None):
-    """Per token or per reply: PPO's pessimistic -min(r A, clip(r) A) (no gradient where the clip bites), or CISPO's
-    -sg(clip(r)) A log p (every token's gradient kept, its weight clipped), clip(r) = clamp(r, 1 - low, 1 + high)."""
+    """Per token or per reply: PPO's -min(r A, clip(r) A) (no gradient where the clip bites), or
+    CISPO's -sg(clip(r)) A log p (every gradient kept, its weight clipped);
+    clip(r) = clamp(r, 1 - low, 1 + high)."""
     clipped = ratio.clamp(1 - clip_low, 1 + clip_high)
     if clip_mode == "cispo":
         return -clipped.detach() * advantages * logps
@@ -93,48 +103,59 @@ def clipped_objective(ratio, advantages, clip_low, clip_high, clip_mode, logps=N
 
 
 def clip_counts(ratio, advantages, clip_low, clip_high, clip_mode):
-    """-> (tokens clipped low, high): where PPO's clip takes the gradient away, or CISPO's clips the weight."""
+    """-> (tokens clipped low, high): where PPO's clip takes the gradient away, or CISPO's clips
+    the weight."""
     low, high = ratio < 1 - clip_low, ratio > 1 + clip_high
     if clip_mode == "ppo":
         low, high = low & (advantages < 0), high & (advantages > 0)
     return low.float().sum(), high.float().sum()
 
 
-def policy_loss(logps, old_logps, seq_ids, advantages, weights, lengths, clip_low, clip_high, clip_mode="ppo",
-                reply_sums=None, ref_logps=None, kl_coef=0.0):
-    """The GRPO family on a micro-batch's K trained tokens -> (its share of the step loss, (ratio sum, tokens clipped
-    low, high)). Per reply of the batch (S,): advantages, weights (each of its tokens' share of the step loss),
-    lengths (its trained tokens); seq_ids (K,) each token's reply. Ratios to the sampling policy (old_logps;
-    logps.detach() on a batch's first update), one per token, or with reply_sums (values per token -> (S,) sums) one
-    per reply, exp of its tokens' mean log-ratio (GSPO); plus kl_coef x the k3 estimate of KL(policy || reference)."""
+def policy_loss(logps, old_logps, seq_ids, advantages, weights, lengths, clip_low, clip_high,
+                clip_mode="ppo", reply_sums=None, ref_logps=None, kl_coef=0.0):
+    """The GRPO family on a micro-batch's K trained tokens -> (its share of the step loss,
+    (ratio sum, tokens clipped low, high)). Per reply (S,): advantages, weights (each of its
+    tokens' share of the step loss), lengths (its trained tokens); seq_ids (K,) each token's reply.
+    Ratios to the sampling policy (old_logps), one per token, or with reply_sums (per token ->
+    (S,) sums) one per reply, exp of its mean log-ratio (GSPO); + kl_coef x k3 KL to ref_logps."""
     log_ratio = logps - old_logps
     a, w = advantages[seq_ids], weights[seq_ids]
     if reply_sums is None:
         ratio = torch.exp(log_ratio)
         losses, per_reply = clipped_objective(ratio, a, clip_low, clip_high, clip_mode, logps), 0.0
     else:
-        reply_ratio = torch.exp(reply_sums(log_ratio) / lengths.clamp(min=1))  # (S,)
+        # (S,)
+        reply_ratio = torch.exp(reply_sums(log_ratio) / lengths.clamp(min=1))
         ratio = reply_ratio[seq_ids]
-        if clip_mode == "cispo":  # the weight carries no gradient: a per-token loss
-            losses, per_reply = clipped_objective(ratio, a, clip_low, clip_high, clip_mode, logps), 0.0
-        else:  # the value from the tokens (a CP slice holds some), the gradient from whole replies (summed over CP)
-            reply_losses = clipped_objective(reply_ratio, advantages, clip_low, clip_high, clip_mode)
+        if clip_mode == "cispo":
+            # the weight carries no gradient: a per-token loss
+            losses = clipped_objective(ratio, a, clip_low, clip_high, clip_mode, logps)
+            per_reply = 0.0
+        else:
+            # the value from the tokens (a CP slice holds some), the gradient from whole replies
+            reply_losses = clipped_objective(reply_ratio, advantages, clip_low, clip_high,
+                                             clip_mode)
             per_reply = (weights * lengths * reply_losses).sum()
             losses, per_reply = reply_losses.detach()[seq_ids], per_reply - per_reply.detach()
     if kl_coef:
         log_ref = ref_logps - logps
         losses = losses + kl_coef * (torch.exp(log_ref) - log_ref - 1)
-    stats = torch.stack([ratio.detach().sum(), *clip_counts(ratio.detach(), a, clip_low, clip_high, clip_mode)])
+    clipped = clip_counts(ratio.detach(), a, clip_low, clip_high, clip_mode)
+    stats = torch.stack([ratio.detach().sum(), *clipped])
     return (w * losses).sum() + per_reply, stats
 
 
 def loss_weights(lengths, aggregation, normaliser):
-    """(R,) each reply token's share of the step loss: 1 / (its reply's tokens x normaliser) for 'reply_mean' (the
-    normaliser counts replies), 1 / normaliser for 'token_mean' (tokens) and 'constant' (replies x max_new_tokens)."""
-    return (1 / lengths.clamp(min=1) if aggregation == "reply_mean" else torch.ones_like(lengths)) / normaliser
+    """(R,) each reply token's share of the step loss: 1 / (its reply's tokens x normaliser) for
+    'reply_mean' (normaliser: replies), 1 / normaliser for 'token_mean' (tokens) and 'constant'
+    (replies x max_new_tokens)."""
+    if aggregation == "reply_mean":
+        return 1 / lengths.clamp(min=1) / normaliser
+    return torch.ones_like(lengths) / normaliser
 
 
-POLICY_STATS = ("ratio_sum", "clipped_low", "clipped_high")  # policy_loss's sums, in its order
+# policy_loss's sums, in its order
+POLICY_STATS = ("ratio_sum", "clipped_low", "clipped_high")
 
 
 def grpo_objective(mb, logps, sampling_logps, ref_logps, replies, settings):
@@ -172,7 +193,8 @@ RL_OBJECTIVES = dict(grpo=GRPO, dapo=GRPO, dr_grpo=GRPO, gspo=GRPO, cispo=GRPO,
 
 
 def pair_stats(losses, rewards_chosen, rewards_rejected, policy_chosen, policy_rejected):
-    """Sums over pairs, by name (STATS), for exact means over steps and ranks; reward_accuracy compares per pair."""
-    values = (losses, rewards_chosen, rewards_rejected, (rewards_chosen > rewards_rejected).float(), policy_chosen,
-              policy_rejected)
+    """Sums over pairs, by name (STATS), for exact means over steps and ranks; reward_accuracy
+    compares per pair."""
+    accuracy = (rewards_chosen > rewards_rejected).float()
+    values = (losses, rewards_chosen, rewards_rejected, accuracy, policy_chosen, policy_rejected)
     return {k: v.detach().sum() for k, v in zip(STATS, values)}
