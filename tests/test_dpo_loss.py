@@ -168,18 +168,16 @@ def test_a_reference_computed_on_each_microbatch_precomputes_only_the_val_split(
     import types
     from contextlib import nullcontext
 
-    from nanopack import reference
+    from nanopack import reference, startup
     model = Transformer(config_from_preset("toy"))
     computed = []
     monkeypatch.setattr(reference, "split_logps", lambda m, data, *a, **k: computed.append(data) or torch.zeros(1, 2))
-    monkeypatch.setattr(reference, "build_model", lambda *a, **k: (model, None))
+    monkeypatch.setattr(startup, "build_model", lambda *a, **k: (model, None))
     train, val = {"offsets": np.arange(9)}, {"offsets": np.arange(5)}
-    run = types.SimpleNamespace(config=dict(microbatch_tokens=64, parallel="ddp", seed=0), model=model,
-                                raw_model=model, autocast=nullcontext(), device="cpu", cp=None, train_data=train,
-                                val_data=val,
-                                loader=types.SimpleNamespace(lengths=np.ones(4), prefix=None), start={}, world_size=1,
-                                dtype="float32")
-    ref = reference.Reference.build(mode, run, key="k")
+    run = types.SimpleNamespace(config=dict(microbatch_tokens=64, parallel="ddp", seed=0), autocast=nullcontext(),
+                                device="cpu", cp=None, world_size=1, dtype="float32")
+    loader = types.SimpleNamespace(lengths=np.ones(4), prefix=None)
+    ref = reference.Reference.build(mode, run, "k", model, model, None, dict(start={}), (train, val), loader)
     assert computed == [val] and ref.model is model and ref.val.shape == (1, 2)
 
 
