@@ -1,16 +1,19 @@
 """
-Talk to a checkpoint: ours (out_dir/ckpt.pt, or the out_dir/hf folder a run leaves) or any Hugging Face
-Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder.
+Talk to a checkpoint: ours (out_dir/ckpt.pt, or the out_dir/hf folder a run leaves) or any
+Hugging Face Llama / Qwen2 / Qwen3 / Mistral / SmolLM3 folder.
 
     python sample.py --model=out/sft/hf --prompt="What is 12+30?"     # one chat turn, greedy
     python sample.py --model=out/sft/hf                                # interactive chat
     python sample.py --model=out/sft/ckpt.pt --temperature=0.8 --top_p=0.95 --num_samples=3
-    python sample.py --model=~/models/Qwen3-0.6B --chat_template_kwargs="{'enable_thinking': False}"
-    python sample.py --model=HuggingFaceTB/SmolLM2-135M-Instruct --prompt="Hi"     # a hub name: downloaded once
+    python sample.py --model=~/models/Qwen3-0.6B \
+        --chat_template_kwargs="{'enable_thinking': False}"
+    # a hub name: downloaded once
+    python sample.py --model=HuggingFaceTB/SmolLM2-135M-Instruct --prompt="Hi"
 
-A reply is printed as the model writes it, special tokens included (<think>...</think>, <tool_call>...), the token
-that ends it left out, and goes back into a chat's history as written. It ends at max_new_tokens, or where prompt +
-reply fill the model's max_seq_len (a note says so); a chat that outgrows the model drops its oldest turns, and says so.
+A reply is printed as the model writes it, special tokens included (<think>...</think>,
+<tool_call>...), the token that ends it left out, and goes back into a chat's history as written.
+It ends at max_new_tokens, or where prompt + reply fill the model's max_seq_len (a note says so);
+a chat that outgrows the model drops its oldest turns, and says so.
 """
 
 import os
@@ -26,22 +29,27 @@ from nanopack.tokenizer import Tokenizer, get_tokenizer
 
 
 def load_model(path, device):
-    """A Hugging Face folder or one of our ckpt.pt -> (model, its tokenizer: the folder's files, or the run's)."""
+    """A Hugging Face folder or one of our ckpt.pt -> (model, its tokenizer: the folder's files,
+    or the run's)."""
     if os.path.isdir(path):
         tok = Tokenizer.from_dir(path) if Tokenizer.has_files(path) else Tokenizer.byte_level()
         return from_pretrained(path, dtype=torch.float32, device=device), tok
     if not os.path.exists(path):
-        sys.exit(f"sample.py: {path} does not exist; pass --model=<Hugging Face folder, hub name or ckpt.pt>")
-    model, ckpt = checkpoint_model(path, device)  # the weights from its DCP folder; the optimizer state stays on disk
+        sys.exit(f"sample.py: {path} does not exist; "
+                 "pass --model=<Hugging Face folder, hub name or ckpt.pt>")
+    # the weights from its DCP folder; the optimizer state stays on disk
+    model, ckpt = checkpoint_model(path, device)
     return model, get_tokenizer(ckpt["tokenizer"])
 
 
 if __name__ == "__main__":
     model = "out/sft/hf"  # a Hugging Face folder, a hub name (org/name[@revision]) or a ckpt.pt
-    tokenizer = ""  # 'byte' or a folder (or hub name) with tokenizer files; default: the model's (see load_model)
+    # 'byte' or a folder (or hub name) with tokenizer files; default: the model's
+    tokenizer = ""
     prompt = ""  # one user message; empty: interactive chat
     system = ""
-    chat_template_kwargs = {}  # variables for the model's chat template, e.g. {'enable_thinking': False}
+    # variables for the model's chat template, e.g. {'enable_thinking': False}
+    chat_template_kwargs = {}
     max_new_tokens = 256
     temperature = 0.0
     top_k = 0

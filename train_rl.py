@@ -1,22 +1,27 @@
 """
-On-policy RL from the model's own replies, read top to bottom like train_sft.py and train_dpo.py: config, setup,
-prompts, loop (sample -> reward -> loss -> step), log, save.
+On-policy RL from the model's own replies, read top to bottom like train_sft.py and train_dpo.py:
+config, setup, prompts, loop (sample -> reward -> loss -> step), log, save.
 
-    python train_sft.py && python train_dpo.py && python train_rl.py   # built-in: the hard split (CPU ok)
-    python train_rl.py --init_from=/models/Qwen2.5-0.5B-Instruct --data=prompts.jsonl --reward=my_rewards:exact
-    torchrun --nproc_per_node=8 train_rl.py --init_from=... --data=... --reward=... --loss=online_dpo
+    # built-in: the hard split (CPU ok)
+    python train_sft.py && python train_dpo.py && python train_rl.py
+    python train_rl.py --init_from=/models/Qwen2.5-0.5B-Instruct --data=prompts.jsonl \
+        --reward=my_rewards:exact
+    torchrun --nproc_per_node=8 train_rl.py --init_from=... --data=... --reward=... \
+        --loss=online_dpo
 
-Each step samples k replies to each of `prompts_per_step` prompts (all ranks together) with the KV cache, every
-prompt prefilled once, scores them with `reward`, and trains on them with each prompt computed once for its group:
-prompt | reply 1 | ... | reply k. The GRPO family (loss='grpo', 'dapo', 'dr_grpo', 'gspo', 'cispo': presets of the
-keys below it, as TRL's GRPOTrainer computes them): each reply's advantage on each of its tokens, a clipped ratio to
-the sampling policy (from a batch's second update on), and kl_coef x a KL estimate to the initial model, aggregated
-over the whole step exactly (counts over all ranks first); 'online_dpo': each group's best and worst reply become a
-DPO pair, the reference computed on the fly. Replies are drawn from generators seeded by (seed, position of the prompt
-in the stream, reply): a step's samples depend neither on the world size nor on a resume. Data: the built-in task's
-hard split, or records {"messages": [prompt turns]} or {"prompt": str | [messages]} (read as data/prepare.py reads
-them); the record's other fields go to the reward functions (rewards.py), named 'module:function': reward(prompt
-messages, reply text, **fields) -> float (e.g. in a my_rewards.py beside you).
+Each step samples k replies to each of `prompts_per_step` prompts (all ranks together) with the KV
+cache, every prompt prefilled once, scores them with `reward`, and trains on them with each prompt
+computed once for its group: prompt | reply 1 | ... | reply k. The GRPO family (loss='grpo', 'dapo',
+'dr_grpo', 'gspo', 'cispo': presets of the keys below it, as TRL's GRPOTrainer computes them): each
+reply's advantage on each of its tokens, a clipped ratio to the sampling policy (from a batch's
+second update on), and kl_coef x a KL estimate to the initial model, aggregated over the whole step
+exactly (counts over all ranks first); 'online_dpo': each group's best and worst reply become a DPO
+pair, the reference computed on the fly. Replies are drawn from generators seeded by (seed, position
+of the prompt in the stream, reply): a step's samples depend neither on the world size nor on a
+resume. Data: the built-in task's hard split, or records {"messages": [prompt turns]} or
+{"prompt": str | [messages]} (read as data/prepare.py reads them); the record's other fields go to
+the reward functions (rewards.py), named 'module:function': reward(prompt messages, reply text,
+**fields) -> float (e.g. in a my_rewards.py beside you).
 """
 
 import math
@@ -46,71 +51,96 @@ from nanopack.startup import (initial_weights, load_model, load_tokenizer, lora_
 # config: every global below can be set by a config/*.py file or --key=value, and so can the
 # machinery's keys (device, precision, parallelism, LoRA, reading records, wandb): nanopack/keys.py
 out_dir = "out/rl"
-init_from = "out/dpo/hf"  # what `python train_dpo.py` leaves; any Hugging Face folder or hub name, 'scratch', 'resume'
-data = "builtin"  # 'builtin' (the arithmetic task's hard split) or records {"prompt" or "messages", reward fields}
+# what `python train_dpo.py` leaves; any Hugging Face folder or hub name, 'scratch', 'resume'
+init_from = "out/dpo/hf"
+# 'builtin' (the arithmetic task's hard split) or records {"prompt" or "messages", reward fields}
+data = "builtin"
 val_data = None  # records: held-out prompts for evaluation (builtin: the hard split's val chats)
-reward = "builtin"  # 'builtin' (exact answer), 'math' (math-verify) or 'module:function' (see rewards.py); 'a,b': both
-reward_weights = None  # one per reward, e.g. 1,0.5: the total reward is their weighted sum; default: 1 each
+# 'builtin' (exact answer), 'math' (math-verify) or 'module:function' (see rewards.py); 'a,b': both
+reward = "builtin"
+# one per reward, e.g. 1,0.5: the total reward is their weighted sum; default: 1 each
+reward_weights = None
 k = 8  # replies sampled per prompt (a group)
 prompts_per_step = 32  # prompts per step, all ranks together
 temperature = 1.0
 top_p = 1.0
 max_new_tokens = 20  # a reply that has not stopped by then is cut here (truncated)
-loss = "dapo"  # 'online_dpo', or a paper's setting of the GRPO family's keys below (each printed at --help's end):
-# 'grpo' (DeepSeekMath), 'dapo' (DAPO; TRL's default), 'dr_grpo' (Dr. GRPO), 'gspo' (GSPO), 'cispo' (MiniMax-M1)
-loss_aggregation = "token_mean"  # 'reply_mean': each reply's mean over its tokens, then the mean over the step's
-# replies (TRL loss_type='grpo'); 'token_mean': over the step's reply tokens (TRL 'dapo'); 'constant': the sum over
-# (the step's replies x max_new_tokens) (TRL 'dr_grpo')
-scale_rewards = "group"  # advantage: reward less its group's mean, over the std of its 'group', the step's ('batch')
+# 'online_dpo', or a paper's setting of the GRPO family's keys below (each printed at --help's end):
+# 'grpo' (DeepSeekMath), 'dapo' (DAPO; TRL's default), 'dr_grpo' (Dr. GRPO), 'gspo' (GSPO),
+# 'cispo' (MiniMax-M1)
+loss = "dapo"
+# 'reply_mean': each reply's mean over its tokens, then the mean over the step's replies (TRL
+# loss_type='grpo'); 'token_mean': over the step's reply tokens (TRL 'dapo'); 'constant': the sum
+# over (the step's replies x max_new_tokens) (TRL 'dr_grpo')
+loss_aggregation = "token_mean"
+# advantage: reward less its group's mean, over the std of its 'group', the step's ('batch')
 # rewards, or 'none'
-clip_eps = 0.2  # the ratio clipped to [1 - clip_eps, 1 + clip_eps_high], from a batch's second update on
-clip_eps_high = 0.28  # DAPO's clip-higher (TRL epsilon_high; for clip_mode='cispo' TRL's is 1 + this)
-importance_sampling_level = "token"  # 'token': a ratio per token; 'sequence': one per reply, exp of its mean (GSPO)
-clip_mode = "ppo"  # 'ppo': -min(r A, clip(r) A); 'cispo': -sg(clip(r)) A log p, every token keeps its gradient
-mask_truncated = True  # replies that have not stopped by max_new_tokens leave the loss (DAPO's overlong filtering)
-dynamic_sampling = True  # DAPO: groups whose k rewards are all equal leave, more prompts are sampled to fill the step
+scale_rewards = "group"
+# the ratio clipped to [1 - clip_eps, 1 + clip_eps_high], from a batch's second update on
+clip_eps = 0.2
+# DAPO's clip-higher (TRL epsilon_high; for clip_mode='cispo' TRL's is 1 + this)
+clip_eps_high = 0.28
+# 'token': a ratio per token; 'sequence': one per reply, exp of its mean (GSPO)
+importance_sampling_level = "token"
+# 'ppo': -min(r A, clip(r) A); 'cispo': -sg(clip(r)) A log p, every token keeps its gradient
+clip_mode = "ppo"
+# replies that have not stopped by max_new_tokens leave the loss (DAPO's overlong filtering)
+mask_truncated = True
+# DAPO: groups whose k rewards are all equal leave, more prompts are sampled to fill the step
+dynamic_sampling = True
 max_extra_rounds = 3  # dynamic_sampling: rounds of prompts_per_step more prompts a step may sample
 beta = 0.1  # online_dpo: DPO's inverse temperature
-kl_coef = 0.0  # the GRPO family: weight of the k3 estimate of KL to the initial model (0: no reference model at all)
+# the GRPO family: weight of the k3 estimate of KL to the initial model (0: no reference model)
+kl_coef = 0.0
 updates_per_batch = 1  # optimizer steps taken on each step's samples
 prefix_sharing = True  # each prompt computed once for its group, not k times: same numbers
 microbatch_tokens = 4096  # token budget of one forward pass on one rank (whole groups)
 max_iters = 100  # steps (sample, then updates_per_batch updates)
-learning_rate = 2e-4  # the toy model; a pretrained init_from gets fine-tuning values (see configure below)
+# the toy model; a pretrained init_from gets fine-tuning values (see configure below)
+learning_rate = 2e-4
 min_lr = 2e-5
 warmup_iters = 5
 weight_decay = 0.0
 grad_clip = 1.0
 # evaluation and logging
 eval_examples = 200
-eval_interval = 10  # evaluate (greedy replies to held-out prompts: reward, accuracy) and checkpoint; 0 = at the end
+# evaluate (greedy replies to held-out prompts: reward, accuracy) and checkpoint; 0 = at the end
+eval_interval = 10
 wandb_run_name = "rl"
-# `loss` names the values of the keys above it not set explicitly (TRL 1.16's settings, the papers' clip ranges)
+# `loss` names the values of the keys above it not set explicitly (TRL 1.16's settings, the
+# papers' clip ranges)
 GRPO = dict(loss_aggregation="reply_mean", scale_rewards="group", clip_eps=0.2, clip_eps_high=0.2,
-            importance_sampling_level="token", clip_mode="ppo", mask_truncated=False, dynamic_sampling=False)
+            importance_sampling_level="token", clip_mode="ppo", mask_truncated=False,
+            dynamic_sampling=False)
 PRESETS = dict(
     grpo=GRPO,
-    dapo=dict(GRPO, loss_aggregation="token_mean", clip_eps_high=0.28, mask_truncated=True, dynamic_sampling=True),
+    dapo=dict(GRPO, loss_aggregation="token_mean", clip_eps_high=0.28, mask_truncated=True,
+              dynamic_sampling=True),
     dr_grpo=dict(GRPO, loss_aggregation="constant", scale_rewards="none"),
     gspo=dict(GRPO, clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level="sequence"),
-    cispo=dict(GRPO, loss_aggregation="token_mean", clip_eps=1.0, clip_eps_high=4.0, clip_mode="cispo"),
+    cispo=dict(GRPO, loss_aggregation="token_mean", clip_eps=1.0, clip_eps_high=4.0,
+               clip_mode="cispo"),
     online_dpo=dict(mask_truncated=False, dynamic_sampling=False))
-FAMILY = tuple(PRESETS)[:-1]  # the GRPO family
+# the GRPO family
+FAMILY = tuple(PRESETS)[:-1]
 # the keys only one kind of loss reads: set explicitly with the other, a config error
 READ_BY = {key: ("loss", FAMILY, "") for key in ("loss_aggregation", "scale_rewards", "clip_eps",
                                                  "clip_eps_high", "importance_sampling_level",
                                                  "clip_mode")}
 READ_BY["kl_coef"] = ("loss", FAMILY, "beta weighs online DPO's reference")
 READ_BY["beta"] = ("loss", ("online_dpo",), "kl_coef is the KL weight here; beta is online DPO's")
-# Starting from a pretrained model, keys not set explicitly take these instead (TRL's GRPO default rate)
+# from a pretrained model, keys not set explicitly take these instead (TRL's GRPO default rate)
 config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, min_lr=1e-7),
                    presets=dict(loss=PRESETS), read_by=READ_BY, rules=dict(
     keys.RULES, loss=(*FAMILY, "online_dpo"), k="[2, inf)",
-    prompts_per_step="[1, inf)", temperature="(0, inf)", top_p="(0, 1]", max_new_tokens="[1, inf)", beta="(0, inf)",
-    loss_aggregation=("reply_mean", "token_mean", "constant"), scale_rewards=("group", "batch", "none"),
-    clip_eps="(0, inf)", clip_eps_high="(0, inf)", importance_sampling_level=("token", "sequence"),
-    clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)", updates_per_batch="[1, inf)",
-    max_iters="[1, inf)"))
+    prompts_per_step="[1, inf)", temperature="(0, inf)", top_p="(0, 1]",
+    max_new_tokens="[1, inf)", beta="(0, inf)",
+    loss_aggregation=("reply_mean", "token_mean", "constant"),
+    scale_rewards=("group", "batch", "none"),
+    clip_eps="(0, inf)", clip_eps_high="(0, inf)",
+    importance_sampling_level=("token", "sequence"),
+    clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)",
+    updates_per_batch="[1, inf)", max_iters="[1, inf)"))
 # -----------------------------------------------------------------------------
 
 
@@ -120,8 +150,8 @@ objective, objective_stats = RL_OBJECTIVES[loss]
 # online DPO's pairs are scored at 1
 score_at = temperature if loss in FAMILY else 1.0
 if mask_truncated and loss == "online_dpo":
-    fail("config error: mask_truncated=True with loss='online_dpo': a DPO pair trains whole replies; drop "
-         "--mask_truncated or choose a loss of the GRPO family")
+    fail("config error: mask_truncated=True with loss='online_dpo': a DPO pair trains whole "
+         "replies; drop --mask_truncated or choose a loss of the GRPO family")
 try:
     reward_fns = Rewards(reward, reward_weights)
 except RewardError as e:
@@ -130,7 +160,8 @@ except RewardError as e:
 run = start_run(config, __file__, data_kind="rl",
                 init_maker="python train_sft.py && python train_dpo.py")
 device, world_size, rank = run.device, run.world_size, run.rank
-sync_ranks = config["parallel"] == "fsdp" and world_size > 1  # FSDP2: every forward of generation is a collective
+# FSDP2: every forward of generation is a collective
+sync_ranks = config["parallel"] == "fsdp" and world_size > 1
 # what a CP group's ranks hold alike (its RL groups, pairs) is counted by its first rank
 first_in_cp = run.cp.rank == 0
 tok = load_tokenizer(config, run.resumed)
@@ -142,16 +173,18 @@ stop_ids = set(tok.stop_ids)
 def check_prompt_length(ids, where):
     """A prompt's group must fit one micro-batch and its replies the model's positions, whatever
     they sample."""
-    group_tokens = len(ids) + k * max_new_tokens if prefix_sharing else k * (len(ids) + max_new_tokens)
-    too_many = group_tokens > microbatch_tokens * config["context_parallel"]  # else too many positions
+    group_tokens = (len(ids) + k * max_new_tokens if prefix_sharing
+                    else k * (len(ids) + max_new_tokens))
+    # else too many positions
+    too_many = group_tokens > microbatch_tokens * config["context_parallel"]
     positions = model_config.max_seq_len
     if len(ids) + max_new_tokens > positions or too_many:
         cp_needed = -(-group_tokens // microbatch_tokens)
         split = (f"raise microbatch_tokens, split it over GPUs with --context_parallel={cp_needed} "
                  f"(torchrun), ") if too_many else ""
         fail(f"data error: {where}: the prompt has {len(ids)} tokens: with "
-             f"max_new_tokens={max_new_tokens} and k={k} its group needs up to {group_tokens} tokens, its "
-             f"replies {len(ids) + max_new_tokens} positions "
+             f"max_new_tokens={max_new_tokens} and k={k} its group needs up to {group_tokens} "
+             f"tokens, its replies {len(ids) + max_new_tokens} positions "
              f"(microbatch_tokens={microbatch_tokens}, max_seq_len={positions}); {split}lower "
              f"max_new_tokens or shorten the prompt")
 
@@ -165,32 +198,37 @@ def scorable(record_fields, where):
 # the prompts, every answer checked by the reward, before the model loads: a bad record costs
 # seconds, not a model load
 try:
-    train_prompts = read_prompts(data, None, tok, check_prompt_length, config["data_split"], "data_split",
-                                 config["fields"], scorable, config["bad_records"])
+    train_prompts = read_prompts(data, None, tok, check_prompt_length, config["data_split"],
+                                 "data_split", config["fields"], scorable, config["bad_records"])
     has_val = eval_examples and (val_data or data == "builtin")
-    val_prompts = read_prompts(val_data or data, eval_examples, tok, check_prompt_length, config["val_split"],
-                               "val_split", config["fields"], scorable, config["bad_records"]) if has_val else []
-    for _, _, record_fields, where in train_prompts + val_prompts:  # the built-in task's too
+    val_prompts = read_prompts(val_data or data, eval_examples, tok, check_prompt_length,
+                               config["val_split"], "val_split", config["fields"], scorable,
+                               config["bad_records"]) if has_val else []
+    # the built-in task's too
+    for _, _, record_fields, where in train_prompts + val_prompts:
         reward_fns.check_fields(record_fields, where)
 except RewardError as e:
     fail(f"data error: {e}")
 except SystemExit as e:
     fail(e.code)
-model, raw_model = load_model(config, run, model_config, start)  # LoRA; DDP/FSDP2; compile
+# LoRA; DDP/FSDP2; compile
+model, raw_model = load_model(config, run, model_config, start)
 optimizer = torch.optim.AdamW(param_groups(raw_model, weight_decay), lr=learning_rate,
                               betas=(0.9, 0.95), fused=device.type == "cuda")
-iter_num, resumed_extras = restore(run, model, optimizer)  # resume: weights, optimizer state, RNG
+# resume: weights, optimizer state, RNG
+iter_num, resumed_extras = restore(run, model, optimizer)
 run.begin(raw_model, iter_num, max_iters)
 # what ckpt.pt records besides the weights: a resumed run starts from it (RL has no token files)
 origin = dict(tokenizer=tok.name, data_dir=None, start=start, model_config=model_config)
 knobs = [*PRESETS["grpo"], "kl_coef"] if loss in FAMILY else ["beta", "dynamic_sampling"]
 knobs += ["max_extra_rounds"] * dynamic_sampling
-print0(f"RL: {loss} loss ({', '.join(f'{key}={config[key]}' for key in knobs)}), {len(train_prompts)} train prompts, "
-       f"{prompts_per_step} x {k} replies per step, reward {reward_fns}, {len(val_prompts)} held-out prompts")
-logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name, config,
-                       resume_iter=iter_num if init_from == "resume" else None)
-ref = Reference.of_model("adapters_off" if config["lora_rank"] else "live", run, model, raw_model, start) \
-    if loss == "online_dpo" or kl_coef else None
+print0(f"RL: {loss} loss ({', '.join(f'{key}={config[key]}' for key in knobs)}), "
+       f"{len(train_prompts)} train prompts, {prompts_per_step} x {k} replies per step, "
+       f"reward {reward_fns}, {len(val_prompts)} held-out prompts")
+logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name,
+                       config, resume_iter=iter_num if init_from == "resume" else None)
+ref = Reference.of_model("adapters_off" if config["lora_rank"] else "live", run, model, raw_model,
+                         start) if loss == "online_dpo" or kl_coef else None
 
 
 @lru_cache(maxsize=2)
@@ -199,9 +237,10 @@ def permutation(epoch):
 
 
 def score(prompts, replies, num_samples):
-    """-> (total rewards (N,), each reward function's own (N, F)) of the N = len(prompts) * num_samples decoded replies;
-    a failing reward function stops the run in one line."""
-    each = np.zeros((len(replies), len(reward_fns.names)))  # host values: plan.py's fake tensors would hide them
+    """-> (total rewards (N,), each reward function's own (N, F)) of the N = len(prompts) *
+    num_samples decoded replies; a failing reward function stops the run in one line."""
+    # host values: plan.py's fake tensors would hide them
+    each = np.zeros((len(replies), len(reward_fns.names)))
     for i, reply in enumerate(replies):
         _, messages, fields, where = prompts[i // num_samples]
         try:
@@ -212,36 +251,41 @@ def score(prompts, replies, num_samples):
 
 
 def sample(first):
-    """This rank's share of the prompts at stream positions first .. first + prompts_per_step -> (their positions,
-    prompts, k token lists per prompt, rewards (G, k), each reward function's (G * k, F), seconds in `reward`)."""
+    """This rank's share of the prompts at stream positions first .. first + prompts_per_step ->
+    (their positions, prompts, k token lists per prompt, rewards (G, k), each reward function's
+    (G * k, F), seconds in `reward`)."""
     mine = list(range(first + run.cp.data_rank, first + prompts_per_step, run.cp.data_size))
-    prompts = [train_prompts[permutation(i // len(train_prompts))[i % len(train_prompts)]] for i in mine]
+    n = len(train_prompts)
+    prompts = [train_prompts[permutation(i // n)[i % n]] for i in mine]
     gens = [torch.Generator(device).manual_seed(hash((config["seed"], i, j)) % 2**63)
             for i in mine for j in range(k)]
     model.eval()
     with run.autocast:
-        replies = generate(raw_model, [p[0] for p in prompts], max_new_tokens, tok.stop_ids, temperature,
-                           generator=gens, sync_ranks=sync_ranks, num_samples=k, top_p=top_p)
+        replies = generate(raw_model, [p[0] for p in prompts], max_new_tokens, tok.stop_ids,
+                           temperature, generator=gens, sync_ranks=sync_ranks, num_samples=k,
+                           top_p=top_p)
     model.train()
     t0 = time.perf_counter()
     scored = score(prompts, replies, k) if first_in_cp else None
-    # generation without CP: a CP group's ranks draw the same replies (same prompts, generators and weights); its first
-    # rank's replies and rewards are the group's, so that a nondeterministic kernel or reward cannot set them apart
+    # a CP group's first rank's replies and rewards are the group's: a nondeterministic kernel or
+    # reward cannot set its ranks apart
     replies, (rewards, each) = run.cp.broadcast((replies, scored))
-    return (mine, prompts, [replies[g * k:(g + 1) * k] for g in range(len(prompts))], rewards.reshape(-1, k), each,
-            time.perf_counter() - t0)
+    groups = [replies[g * k:(g + 1) * k] for g in range(len(prompts))]
+    return mine, prompts, groups, rewards.reshape(-1, k), each, time.perf_counter() - t0
 
 
 def teaches(rewards):
-    """(G, k) -> (G,) whether a group's rewards differ: one whose k rewards are equal has all advantages 0."""
+    """(G, k) -> (G,) whether a group's rewards differ: one whose k rewards are equal has all
+    advantages 0."""
     return rewards.max(1, initial=-math.inf) > rewards.min(1, initial=math.inf)
 
 
 def collect(first):
-    """One step's groups from prompt stream position `first` -> ((prompts, replies, rewards) to train, (every reply
-    sampled, every reward, rounds), seconds in `reward`, the next position). dynamic_sampling (DAPO): groups whose
-    rewards are all equal are dropped and rounds of prompts_per_step more prompts sampled until prompts_per_step groups
-    teach something (the first ones in the stream: the same on any world size), or max_extra_rounds were sampled."""
+    """One step's groups from prompt stream position `first` -> ((prompts, replies, rewards) to
+    train, (every reply sampled, every reward, rounds), seconds in `reward`, the next position).
+    dynamic_sampling (DAPO): groups whose rewards are all equal are dropped and rounds of
+    prompts_per_step more prompts sampled until prompts_per_step groups teach something (the first
+    ones in the stream: the same on any world size), or max_extra_rounds were sampled."""
     kept, sampled, reward_s, rounds, n_kept = ([], [], []), ([], [], []), 0.0, 0, 0
     while True:
         positions, prompts, replies, rewards, each, seconds = sample(first)
@@ -250,16 +294,20 @@ def collect(first):
         sampled[2].append(each)
         reward_s, rounds = reward_s + seconds, rounds + 1
         if not dynamic_sampling:
-            return (prompts, replies, rewards), (*sampled, rounds), reward_s, first + prompts_per_step
+            next_first = first + prompts_per_step
+            return (prompts, replies, rewards), (*sampled, rounds), reward_s, next_first
         flags = np.zeros(prompts_per_step)
         flags[np.array(positions, dtype=np.int64) - first] = teaches(rewards)
-        chosen = np.flatnonzero(np.array(all_reduce_sum(flags.tolist(), device)))[:prompts_per_step - n_kept] + first
+        teaching = np.flatnonzero(np.array(all_reduce_sum(flags.tolist(), device)))
+        chosen = teaching[:prompts_per_step - n_kept] + first
         for g in np.flatnonzero(np.isin(positions, chosen)):
             for part, x in zip(kept, (prompts[g], replies[g], rewards[g])):
                 part.append(x)
         n_kept, first = n_kept + len(chosen), first + prompts_per_step
-        if n_kept == prompts_per_step or rounds > max_extra_rounds:  # the step trains what it has: its line says so
-            return (kept[0], kept[1], np.array(kept[2]).reshape(-1, k)), (*sampled, rounds), reward_s, first
+        # the step trains what it has: its line says so
+        if n_kept == prompts_per_step or rounds > max_extra_rounds:
+            to_train = (kept[0], kept[1], np.array(kept[2]).reshape(-1, k))
+            return to_train, (*sampled, rounds), reward_s, first
 
 
 def all_reduce_max(value):
@@ -290,13 +338,16 @@ def every_reply(replies, rewards, keep, cut, lengths):
     a function of the step's normaliser -> (advantages, loss weights, trained tokens) of each reply
     of the kept groups)."""
     masks = [[np.ones(len(r)) * (1 - c) for r, c in zip(replies[g], cut[g])] for g in keep]
-    per_step = dict(token_mean=lengths.sum(), reply_mean=lengths.size, constant=lengths.size * max_new_tokens)
+    per_step = dict(token_mean=lengths.sum(), reply_mean=lengths.size,
+                    constant=lengths.size * max_new_tokens)
 
     def per_reply(normaliser):
         # TRL's: unbiased, over the step
         batch_std = reward_std(rewards, ddof=1) if scale_rewards == "batch" else None
-        kept = torch.from_numpy(rewards[keep])  # (G', k); G' = 0: no group, no std to take
-        advantages = (group_advantages(kept, scale_rewards, batch_std) if keep else kept).flatten().float()
+        # (G', k); G' = 0: no group, no std to take
+        kept = torch.from_numpy(rewards[keep])
+        advantages = group_advantages(kept, scale_rewards, batch_std) if keep else kept
+        advantages = advantages.flatten().float()
         reply_tokens = torch.from_numpy(lengths[keep].flatten()).float()
         weights = loss_weights(reply_tokens, loss_aggregation, normaliser)
         return [x.to(device) for x in (advantages, weights, reply_tokens)]
@@ -333,8 +384,8 @@ def training_batches(prompts, replies, rewards):
     prefix = shared_prefixes(data, size) if prefix_sharing else None
     # each rank's groups are its own: as many micro-batches as the busiest rank's
     mbs = rank_microbatches(data, np.arange(len(keep)), unit_lengths(data, size, prefix),
-                            microbatch_tokens * config["context_parallel"], size, prefix, context=run.cp,
-                            busiest=all_reduce_max)
+                            microbatch_tokens * config["context_parallel"], size, prefix,
+                            context=run.cp, busiest=all_reduce_max)
     return mbs, objective_input, trained, int(np.diff(data["offsets"]).sum()) * first_in_cp
 
 
@@ -356,17 +407,19 @@ def microbatch_loss(mb, objective_input, old):
 
 @torch.no_grad()
 def evaluate():
-    """Greedy replies to the held-out prompts, split over ranks: mean reward and accuracy (the share rewarded 1 or
-    more: the built-in task's exact answers); printed and logged."""
+    """Greedy replies to the held-out prompts, split over ranks: mean reward and accuracy (the share
+    rewarded 1 or more: the built-in task's exact answers); printed and logged."""
     if not val_prompts:
         return {}
     mine = val_prompts[rank::world_size]
     model.eval()
     with run.autocast:
-        replies = generate(raw_model, [p[0] for p in mine], max_new_tokens, tok.stop_ids, sync_ranks=sync_ranks)
+        replies = generate(raw_model, [p[0] for p in mine], max_new_tokens, tok.stop_ids,
+                           sync_ranks=sync_ranks)
     model.train()
     rewards, _ = score(mine, replies, 1)
-    total, right, n = all_reduce_sum([rewards.sum().item(), (rewards >= 1).sum().item(), len(mine)], device)
+    total, right, n = all_reduce_sum(
+        [rewards.sum().item(), (rewards >= 1).sum().item(), len(mine)], device)
     out = dict(val_reward=total / n, val_accuracy=right / n)
     print0(f"iter {iter_num}: held-out, greedy: mean reward {out['val_reward']:.3f} | accuracy "
            f"{100 * out['val_accuracy']:.1f}%")
@@ -374,14 +427,17 @@ def evaluate():
     return out
 
 
-STEP_STATS = ("loss", "sampled_nll", "target_tokens", *objective_stats)  # microbatch_loss's sums
+# microbatch_loss's sums
+STEP_STATS = ("loss", "sampled_nll", "target_tokens", *objective_stats)
 
 
 def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_norm):
-    """Every step's log line (a step takes seconds): its loss, the rewards and lengths of its samples on all ranks
-    (every round), its groups, its speed; the policy's ratios and clipping in the step's last update."""
+    """Every step's log line (a step takes seconds): its loss, the rewards and lengths of its
+    samples on all ranks (every round), its groups, its speed; the policy's ratios and clipping in
+    the step's last update."""
     replies, rewards, each, rounds = sampled
-    flat = np.concatenate([r.flatten() for r in rewards])  # a CP group's ranks hold the same samples: means unchanged
+    # a CP group's ranks hold the same samples: means unchanged
+    flat = np.concatenate([r.flatten() for r in rewards])
     each = np.concatenate(each)
     every = [r for group in replies for r in group]
     lengths = np.array([len(r) for r in every])
@@ -394,12 +450,15 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
     totals = dict(zip([*STEP_STATS, *samples], values))
     each_sums = values[len(totals):]
     r_sum, right, n, reply_tokens, cut, sampled_groups, unshared = map(totals.get, samples)
-    each_mean = {name: s / n for name, s in zip(reward_fns.names, each_sums)}  # as TRL logs them: unweighted
+    # as TRL logs them: unweighted
+    each_mean = {name: s / n for name, s in zip(reward_fns.names, each_sums)}
     tally[0], tally[1] = tally[0] + trained, tally[1] + sampled_groups
     longest = all_reduce_max(int(lengths.max(initial=0)))
-    mean, eta = r_sum / n, (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
+    mean = r_sum / n
+    eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
     n_tokens = max(totals["target_tokens"], 1)
-    per_token = {name: totals[name] / n_tokens for name in objective_stats}  # the GRPO family's
+    # the GRPO family's
+    per_token = {name: totals[name] / n_tokens for name in objective_stats}
     metrics = dict(iter=iter_num, loss=totals["loss"], reward_mean=mean,
                    reward_std=reward_std(flat), accuracy=right / n, reply_tokens=reply_tokens / n,
                    reply_tokens_max=longest, truncated=cut / n, groups_trained=trained,
@@ -416,7 +475,8 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
     groups_line += f" ({rounds} rounds{capped})" * (rounds > 1)
     if not trained:
         groups_line += ": every group's rewards were equal, nothing learned"
-    parts = f" ({', '.join(f'{name} {m:.3f}' for name, m in each_mean.items())})" * (len(each_mean) > 1)
+    parts = ", ".join(f"{name} {m:.3f}" for name, m in each_mean.items())
+    parts = f" ({parts})" * (len(each_mean) > 1)
     print0(f"iter {iter_num}/{max_iters} | loss {totals['loss']:.4f} | reward {mean:.3f}{parts} | "
            f"accuracy {100 * metrics['accuracy']:.1f}% | {groups_line} | reply "
            f"{reply_tokens / n:.1f} tokens (max {longest}, {100 * cut / n:.0f}% cut) | ms: gen "
@@ -426,11 +486,13 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
 
 
 # ---- the loop: every step is logged
-results = {} if iter_num else evaluate()  # the starting point, for "before -> after"
+# the starting point, for "before -> after"
+results = {} if iter_num else evaluate()
 before = resumed_extras.get("before", results)
 # positions of the prompt stream used
 prompts_drawn = resumed_extras.get("prompts_drawn", iter_num * prompts_per_step)
-tally = resumed_extras.get("groups", [0, 0])  # groups trained, sampled, since the run began
+# groups trained, sampled, since the run began
+tally = resumed_extras.get("groups", [0, 0])
 timer = Timer(device)
 meter = Throughput(raw_model, device, world_size, flops_factor=1.0 if ref is None else 4 / 3)
 start_iter, t_start = iter_num, time.perf_counter()
@@ -442,9 +504,11 @@ while iter_num < max_iters:
     gen_s = time.perf_counter() - t0 - reward_s
     meter.count(batches, data_time=0.0)
     mbs, states = [mb.to(device) for mb in batches], [{} for _ in batches]
-    stopping = False  # a stop signal is honoured after the step's last update
+    # a stop signal is honoured after the step's last update
+    stopping = False
     for _ in range(updates_per_batch):
-        step_loss = torch.zeros((), device=device, dtype=torch.float64)  # this rank's part, checked finite
+        # this rank's part, checked finite
+        step_loss = torch.zeros((), device=device, dtype=torch.float64)
         # for the log: microbatch_loss's sums by name, this update's
         sums = {name: torch.zeros((), device=device, dtype=torch.float64) for name in STEP_STATS}
         for i, (mb, old) in enumerate(zip(mbs, states)):
@@ -455,7 +519,8 @@ while iter_num < max_iters:
             for name in STEP_STATS:
                 sums[name] += mb_sums[name]
         grad_norm = clip_grad_norm(model, grad_clip)
-        update, stop = run.guard.check(model, step_loss, grad_norm, iter_num + 1)  # finite on every rank? a stop signal?
+        # finite on every rank? a stop signal?
+        update, stop = run.guard.check(model, step_loss, grad_norm, iter_num + 1)
         if update:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -469,17 +534,22 @@ while iter_num < max_iters:
         results = evaluate()
         save_checkpoint(run, origin, model, optimizer, iter_num, {}, extra=extras,
                         evaluation=results)
-        timer.lap()  # evaluation is not the next step's time
-    elif stopping:  # a stop on an evaluation step is saved above, with its evaluation
+        # evaluation is not the next step's time
+        timer.lap()
+    # a stop on an evaluation step is saved above, with its evaluation
+    elif stopping:
         save_checkpoint(run, origin, model, optimizer, iter_num, {}, extra=extras)
-    if stopping and not last:  # on the last step the run ends as usual: export
+    # on the last step the run ends as usual: export
+    if stopping and not last:
         logger.finish()
         run.exit_stopped(iter_num)
 
-print0(f"groups trained: {tally[0]:,.0f} of {tally[1]:,.0f} sampled ({100 * tally[0] / max(tally[1], 1):.1f}%)")
+print0(f"groups trained: {tally[0]:,.0f} of {tally[1]:,.0f} sampled "
+       f"({100 * tally[0] / max(tally[1], 1):.1f}%)")
 if not tally[0]:
-    print0("warning: no group's rewards ever differed, so this run learned nothing from its rewards: check the reward "
-           "function on a few replies, or use prompts this model sometimes gets right", file=sys.stderr)
+    print0("warning: no group's rewards ever differed, so this run learned nothing from its "
+           "rewards: check the reward function on a few replies, or use prompts this model "
+           "sometimes gets right", file=sys.stderr)
 if before and results:
     print0(f"held-out, greedy: exact-match accuracy {100 * before['val_accuracy']:.1f}% -> "
            f"{100 * results['val_accuracy']:.1f}% | mean reward {before['val_reward']:.3f} -> "

@@ -1,13 +1,14 @@
 """
 Padding-free supervised fine-tuning, read top to bottom: config, setup, loop, log, save.
 
-    python train_sft.py                                        # toy model, built-in arithmetic chats, CPU ok
+    python train_sft.py                     # toy model, built-in arithmetic chats, CPU ok
     python train_sft.py config/sft_qwen2.5_0.5b.py --data=my.jsonl
     torchrun --nproc_per_node=8 train_sft.py config/sft_llama3.1_8b_fsdp.py
 
-Every optimizer step takes `batch_size` examples (global, whatever the world size), packs each rank's share
-into micro-batches of at most `microbatch_tokens` tokens, and divides the summed token loss by the step's
-global number of target tokens: any micro-batch size and any number of GPUs give the same step.
+Every optimizer step takes `batch_size` examples (global, whatever the world size), packs each
+rank's share into micro-batches of at most `microbatch_tokens` tokens, and divides the summed token
+loss by the step's global number of target tokens: any micro-batch size and any number of GPUs give
+the same step.
 """
 
 import time
@@ -30,34 +31,41 @@ from nanopack.startup import (data_summary, initial_weights, load_model, load_sp
 # config: every global below can be set by a config/*.py file or --key=value, and so can the
 # machinery's keys (device, precision, parallelism, LoRA, reading records, wandb): nanopack/keys.py
 out_dir = "out/sft"
-init_from = "scratch"  # 'scratch' (a `preset`), a Hugging Face folder or hub name (org/name[@revision]), or 'resume'
-data = "builtin"  # 'builtin' (arithmetic chats), records (.jsonl, .parquet, shards, glob, hub name), a prepared folder
-val_data = None  # records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
+# 'scratch' (a `preset`), a Hugging Face folder or hub name (org/name[@revision]), or 'resume'
+init_from = "scratch"
+# 'builtin' (arithmetic chats), records (.jsonl, .parquet, shards, glob, hub name), a prepared dir
+data = "builtin"
+# records: the val split (e.g. 'data/test_prefs-*.parquet'); default: hold out val_fraction
+val_data = None
 max_len = 4096  # records only: longest example kept; longer ones follow `overlong`
 overlong = "error"  # records only: 'error', 'truncate' or 'skip' (counted and printed)
-reasoning_turns = "conversation"  # records: 'each' also trains every turn rendered without its reasoning on its own
+# records: 'each' also trains every turn rendered without its reasoning on its own
+reasoning_turns = "conversation"
 prefix_sharing = True  # reasoning_turns='each': a conversation's shared history computed once
 batch_size = 32  # examples per optimizer step, all ranks together ('each': conversations)
 microbatch_tokens = 4096  # token budget of one forward pass on one rank
 max_iters = 1100  # optimizer steps; 0 = `epochs` passes over the data
 epochs = 1.0
-learning_rate = 5e-3  # the toy model from scratch; a pretrained init_from gets fine-tuning values (see configure below)
+# the toy model from scratch; a pretrained init_from gets fine-tuning values (configure below)
+learning_rate = 5e-3
 min_lr = 5e-4
 warmup_iters = 20
 weight_decay = 0.1
 grad_clip = 1.0
-loss_weighting = "token"  # 'token': every target token counts the same; 'sequence': every example does
+# 'token': every target token counts the same; 'sequence': every example does
+loss_weighting = "token"
 log_interval = 10
-eval_interval = 275  # evaluate (val loss; built-in: exact-match accuracy, style) and checkpoint; 0 = at the end
+# evaluate (val loss; built-in: exact-match accuracy, style) and checkpoint; 0 = at the end
+eval_interval = 275
 eval_examples = 200  # built-in task: held-out prompts answered greedily for accuracy
 val_fraction = 0.01  # records only: the share of lines held out for val loss
 wandb_run_name = "sft"
-# A pretrained init_from (its own tokenizer) gets these for keys not set: AdamW at ~1e-5-2e-5, cosine decay, as the
-# published SFT recipes for 0.1-8B models (Tulu 3, Zephyr, SmolLM2)
+# a pretrained init_from (its own tokenizer) gets these for keys not set: AdamW at ~1e-5-2e-5,
+# cosine decay, as the published SFT recipes for 0.1-8B models (Tulu 3, Zephyr, SmolLM2)
 config = configure(globals(), machinery=keys,
                    rules=dict(keys.RULES, reasoning_turns=("conversation", "each")),
-                   finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20, weight_decay=0.0,
-                                 max_iters=0, epochs=2.0))
+                   finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20,
+                                 weight_decay=0.0, max_iters=0, epochs=2.0))
 # -----------------------------------------------------------------------------
 
 # ranks, device, precision, out_dir lock, signals, seed; on resume, its ckpt.pt
@@ -67,7 +75,8 @@ tok = load_tokenizer(config, run.resumed)
 start, model_config = initial_weights(config, tok, run.resumed)
 # tokenized once, every example checked against the model and a micro-batch
 data_dir, train_data, val_data = load_splits(config, run, tok, model_config, "sft")
-model, raw_model = load_model(config, run, model_config, start)  # LoRA; DDP/FSDP2; compile
+# LoRA; DDP/FSDP2; compile
+model, raw_model = load_model(config, run, model_config, start)
 device, world_size = run.device, run.world_size
 optimizer = torch.optim.AdamW(param_groups(raw_model, weight_decay), lr=learning_rate,
                               betas=(0.9, 0.95), fused=device.type == "cuda")
@@ -81,18 +90,20 @@ run.begin(raw_model, iter_num, max_iters, data_summary(config, loader, train_dat
                                                        model_config.max_seq_len))
 # what ckpt.pt records besides the weights: a resumed run starts from it
 origin = dict(tokenizer=tok.name, data_dir=data_dir, start=start, model_config=model_config)
-logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name, config,
-                       resume_iter=iter_num if init_from == "resume" else None)
+logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wandb_run_name,
+                       config, resume_iter=iter_num if init_from == "resume" else None)
 
 
 def microbatch_loss(mb, normaliser):
-    """-> (its share of the step loss, to backpropagate: summed (weighted) token loss / the step's global normaliser,
-    times world_size as DDP and FSDP average gradients over ranks and we want their sum (a CP group's shares add up
-    too); its summed token loss, for the log)."""
+    """-> (its share of the step loss, to backpropagate; its summed token loss, for the log).
+    The share is the summed (weighted) token loss / the step's global normaliser, times world_size:
+    DDP and FSDP average gradients over ranks and we want their sum."""
     weights = None
-    if loss_weighting == "sequence":  # each example counts once: its target tokens share weight 1
+    # 'sequence': each example counts once, its target tokens share weight 1
+    if loss_weighting == "sequence":
         per_seq = mb.sequence_sums((mb.targets != IGNORE_INDEX).float()).clamp(min=1.0)
-        weights = 1.0 / torch.cat([per_seq, per_seq.new_ones(1)])[mb.seq_ids]  # + 1: a filler's slot
+        # + 1: a filler's slot
+        weights = 1.0 / torch.cat([per_seq, per_seq.new_ones(1)])[mb.seq_ids]
     with run.autocast:
         loss_sum, _ = model(**mb.inputs(), loss_weights=weights)
     return loss_sum * world_size / normaliser, loss_sum.detach()
@@ -100,8 +111,9 @@ def microbatch_loss(mb, normaliser):
 
 @torch.no_grad()
 def evaluate():
-    """Val loss per target token over the whole val split, and exact-match accuracy on the built-in task;
-    printed and logged. Every rank runs the same number of forwards (FSDP's all-gathers are collectives)."""
+    """Val loss per target token over the whole val split, and exact-match accuracy on the built-in
+    task; printed and logged. Every rank runs the same number of forwards (FSDP's all-gathers are
+    collectives)."""
     model.eval()
     out = {}
     val, prefix, lengths, _ = val_layout  # as training lays out its split
@@ -114,16 +126,19 @@ def evaluate():
         mb = mb.to(device)
         with run.autocast:
             loss_sum += model(**mb.inputs())[0]
-    if len(lengths):  # an empty val split has no loss (setup said so), rather than a loss of 0
+    # an empty val split has no loss (setup said so), rather than a loss of 0
+    if len(lengths):
         total_loss, total_targets = all_reduce_sum([loss_sum.item(), n_targets], device)
         out["val_loss"] = total_loss / max(total_targets, 1)
-    if data == "builtin" and eval_examples > 0:  # greedy replies: exact match, and the share in the plain style
+    # greedy replies: exact match, and the share in the plain style
+    if data == "builtin" and eval_examples > 0:
+        sync_ranks = config["parallel"] == "fsdp" and world_size > 1
         out.update(builtin_task.evaluate(raw_model, tok, eval_examples, run.autocast,
-                                         sync_ranks=config["parallel"] == "fsdp" and world_size > 1))
+                                         sync_ranks=sync_ranks))
     model.train()
     parts = [f"val loss {out['val_loss']:.4f}"] if "val_loss" in out else []
-    parts += [f"val accuracy {100 * out['val_accuracy']:.1f}% | plain style {100 * out['val_preferred']:.1f}%"
-              ] if "val_accuracy" in out else []
+    parts += [f"val accuracy {100 * out['val_accuracy']:.1f}% | "
+              f"plain style {100 * out['val_preferred']:.1f}%"] if "val_accuracy" in out else []
     if parts:
         print0(f"iter {iter_num}: " + " | ".join(parts))
         logger.log(dict(iter=iter_num, **out))
@@ -132,15 +147,22 @@ def evaluate():
 
 # ---- the loop
 val_layout = layout(val_data, microbatch_tokens * config["context_parallel"], 1, prefix_sharing)
-if loader.prefix is not None:  # reasoning_turns='each': what computing each conversation's history once saves
-    print0(f"prefix sharing: {int(loader.whole.sum()):,} tokens laid out whole -> {int(loader.lengths.sum()):,} "
-           f"computed ({loader.whole.sum() / loader.lengths.sum():.2f}x fewer)")
+# reasoning_turns='each': what computing each conversation's history once saves
+if loader.prefix is not None:
+    print0(f"prefix sharing: {int(loader.whole.sum()):,} tokens laid out whole -> "
+           f"{int(loader.lengths.sum()):,} computed "
+           f"({loader.whole.sum() / loader.lengths.sum():.2f}x fewer)")
 timer = Timer(device)
-meter = Throughput(raw_model, device, world_size)  # tokens, padding, FLOPs since the last log line
-loss_acc = torch.zeros((), device=device, dtype=torch.float64)  # summed (weighted) token loss since the last log line
-normaliser_window = 0  # what loss_acc is divided by: target tokens, or examples with loss_weighting='sequence'
-unshared_window = 0  # tokens of the window's sequences laid out whole (prefix sharing computes fewer)
-eval_seconds = 0.0  # evaluation inside a log window is not training time
+# tokens, padding, FLOPs since the last log line
+meter = Throughput(raw_model, device, world_size)
+# summed (weighted) token loss since the last log line
+loss_acc = torch.zeros((), device=device, dtype=torch.float64)
+# loss_acc's divisor: target tokens, or examples with loss_weighting='sequence'
+normaliser_window = 0
+# the window's tokens laid out whole (prefix sharing computes fewer)
+unshared_window = 0
+# evaluation inside a log window is not training time
+eval_seconds = 0.0
 start_iter, last_log_iter, t_start = iter_num, iter_num, time.perf_counter()
 while iter_num < max_iters:
     lr = set_lr(optimizer, lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
@@ -150,17 +172,20 @@ while iter_num < max_iters:
     mbs = [mb.to(device) for mb in step.microbatches]
     meter.count(step.microbatches, data_time=time.perf_counter() - t0)
     unshared_window += step.num_tokens_unshared
-    step_loss, step_loss_sum = (torch.zeros((), device=device, dtype=torch.float64) for _ in range(2))
+    step_loss, step_loss_sum = (torch.zeros((), device=device, dtype=torch.float64)
+                                for _ in range(2))
     for i, mb in enumerate(mbs):
         with sync_gradients(model, enabled=i == len(mbs) - 1):
             loss, loss_sum = microbatch_loss(mb, normaliser)
             loss.backward()
-        step_loss += loss.detach() / world_size  # this rank's part of the step's loss
+        # this rank's part of the step's loss
+        step_loss += loss.detach() / world_size
         step_loss_sum += loss_sum
     grad_norm = clip_grad_norm(model, grad_clip)
     # finite on every rank? a stop signal?
     update, stopping = run.guard.check(model, step_loss, grad_norm, iter_num + 1)
-    if update:  # a skipped step's loss is NaN or infinite: it is counted in skipped_steps, not averaged in
+    # a skipped step (NaN or infinite loss) counts in skipped_steps, not in the average
+    if update:
         optimizer.step()
         loss_acc += step_loss_sum
         normaliser_window += normaliser
@@ -168,17 +193,21 @@ while iter_num < max_iters:
     iter_num += 1
 
     last = iter_num == max_iters
-    if iter_num % log_interval == 0 or last or stopping:  # a stop logs its partial window: no step goes unlogged
+    # a stop logs its partial window: no step goes unlogged
+    if iter_num % log_interval == 0 or last or stopping:
         elapsed, eval_seconds = timer.lap() - eval_seconds, 0.0
-        perf, (loss_total,) = meter.read(elapsed, iter_num - last_log_iter, [loss_acc.item()])  # normaliser: global
+        # summed over ranks: normaliser_window is already global
+        perf, (loss_total,) = meter.read(elapsed, iter_num - last_log_iter, [loss_acc.item()])
         eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
-        metrics = dict(iter=iter_num, loss=loss_total / normaliser_window if normaliser_window else float("nan"), lr=lr,
+        loss = loss_total / normaliser_window if normaliser_window else float("nan")
+        metrics = dict(iter=iter_num, loss=loss, lr=lr,
                        grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps,
                        tokens_unshared=unshared_window / (iter_num - last_log_iter), **perf)
         shared = f" | tokens {perf['tokens']:,.0f} (unshared {metrics['tokens_unshared']:,.0f})" * (
             loader.prefix is not None)
-        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | lr {lr:.2e} | grad norm "
-               f"{metrics['grad_norm']:.2f} | {meter.line(metrics)}{shared} | eta {format_eta(eta)}")
+        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | lr {lr:.2e} | "
+               f"grad norm {metrics['grad_norm']:.2f} | {meter.line(metrics)}{shared} | "
+               f"eta {format_eta(eta)}")
         logger.log(metrics)
         loss_acc.zero_()
         last_log_iter, normaliser_window, unshared_window = iter_num, 0, 0
@@ -187,9 +216,11 @@ while iter_num < max_iters:
         save_checkpoint(run, origin, model, optimizer, iter_num, step.state, extra={},
                         evaluation=evaluate())
         eval_seconds += time.perf_counter() - t_eval
-    elif stopping:  # a stop on an evaluation step is saved above, with its evaluation
+    # a stop on an evaluation step is saved above, with its evaluation
+    elif stopping:
         save_checkpoint(run, origin, model, optimizer, iter_num, step.state, extra={})
-    if stopping and not last:  # on the last step the run ends as usual: export
+    # on the last step the run ends as usual: export
+    if stopping and not last:
         logger.finish()
         run.exit_stopped(iter_num)
 
