@@ -198,3 +198,29 @@ def pair_stats(losses, rewards_chosen, rewards_rejected, policy_chosen, policy_r
     accuracy = (rewards_chosen > rewards_rejected).float()
     values = (losses, rewards_chosen, rewards_rejected, accuracy, policy_chosen, policy_rejected)
     return {k: v.detach().sum() for k, v in zip(STATS, values)}
+
+
+# train_rl.py's `loss` names these values for the keys not set explicitly (TRL 1.16's settings,
+# the papers' clip ranges)
+GRPO = dict(loss_aggregation="reply_mean", scale_rewards="group", clip_eps=0.2, clip_eps_high=0.2,
+            importance_sampling_level="token", clip_mode="ppo", mask_truncated=False,
+            dynamic_sampling=False)
+RL_PRESETS = dict(
+    grpo=GRPO,
+    dapo=dict(GRPO, loss_aggregation="token_mean", clip_eps_high=0.28, mask_truncated=True,
+              dynamic_sampling=True),
+    dr_grpo=dict(GRPO, loss_aggregation="constant", scale_rewards="none"),
+    gspo=dict(GRPO, clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level="sequence"),
+    cispo=dict(GRPO, loss_aggregation="token_mean", clip_eps=1.0, clip_eps_high=4.0,
+               clip_mode="cispo"),
+    online_dpo=dict(mask_truncated=False, dynamic_sampling=False))
+# the GRPO family
+GRPO_FAMILY = tuple(RL_PRESETS)[:-1]
+# the keys only one kind of train_rl.py's `loss` reads: set explicitly with the other, a
+# config error
+GRPO_ONLY = ("loss_aggregation", "scale_rewards", "clip_eps", "clip_eps_high",
+             "importance_sampling_level", "clip_mode")
+RL_READ_BY = {key: ("loss", GRPO_FAMILY, "") for key in GRPO_ONLY}
+RL_READ_BY["kl_coef"] = ("loss", GRPO_FAMILY, "beta weighs online DPO's reference")
+RL_READ_BY["beta"] = ("loss", ("online_dpo",),
+                      "kl_coef is the KL weight here; beta is online DPO's")

@@ -1,27 +1,18 @@
 """
 On-policy RL from the model's own replies, read top to bottom like train_sft.py and train_dpo.py:
-config, setup, prompts, loop (sample -> reward -> loss -> step), log, save.
+config, start-up, prompts, loop (sample -> reward -> loss -> step), log, save.
 
-    # built-in: the hard split (CPU ok)
-    python train_sft.py && python train_dpo.py && python train_rl.py
-    python train_rl.py --init_from=/models/Qwen2.5-0.5B-Instruct --data=prompts.jsonl \
+    python train_sft.py && python train_dpo.py && python train_rl.py    # built-in (CPU ok)
+    python train_rl.py --init_from=Qwen/Qwen2.5-0.5B-Instruct --data=prompts.jsonl \
         --reward=my_rewards:exact
-    torchrun --nproc_per_node=8 train_rl.py --init_from=... --data=... --reward=... \
-        --loss=online_dpo
+    torchrun --nproc_per_node=8 train_rl.py --init_from=... --data=... --loss=online_dpo
 
-Each step samples k replies to each of `prompts_per_step` prompts (all ranks together) with the KV
-cache, every prompt prefilled once, scores them with `reward`, and trains on them with each prompt
-computed once for its group: prompt | reply 1 | ... | reply k. The GRPO family (loss='grpo', 'dapo',
-'dr_grpo', 'gspo', 'cispo': presets of the keys below it, as TRL's GRPOTrainer computes them): each
-reply's advantage on each of its tokens, a clipped ratio to the sampling policy (from a batch's
-second update on), and kl_coef x a KL estimate to the initial model, aggregated over the whole step
-exactly (counts over all ranks first); 'online_dpo': each group's best and worst reply become a DPO
-pair, the reference computed on the fly. Replies are drawn from generators seeded by (seed, position
-of the prompt in the stream, reply): a step's samples depend neither on the world size nor on a
-resume. Data: the built-in task's hard split, or records {"messages": [prompt turns]} or
-{"prompt": str | [messages]} (read as data/prepare.py reads them); the record's other fields go to
-the reward functions (rewards.py), named 'module:function': reward(prompt messages, reply text,
-**fields) -> float (e.g. in a my_rewards.py beside you).
+Each step samples k replies to each of `prompts_per_step` prompts (every prompt prefilled once),
+scores them with `reward` (nanopack/rewards.py: 'module:function', called with the prompt, the
+reply and the record's other fields) and trains on them with each prompt computed once for its
+group. `loss` picks the objective: the GRPO family (losses.RL_PRESETS, as TRL's GRPOTrainer) or
+online DPO. Replies come from generators seeded by (seed, prompt position, reply): a step's samples
+depend neither on the world size nor on a resume. docs/rl.md has the rest.
 """
 
 import math
@@ -35,12 +26,14 @@ import torch
 from nanopack.checkpoint import export_hf, save_checkpoint
 from nanopack import keys
 from nanopack.configurator import configure
-from data.dataset import read_prompts
+from data.dataset import check_group_fits, read_prompts
 from nanopack.generate import generate
-from losses import RL_OBJECTIVES, group_advantages, loss_weights
+from losses import (GRPO_FAMILY, RL_OBJECTIVES, RL_PRESETS, RL_READ_BY, group_advantages,
+                    loss_weights)
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import group_data, rank_microbatches, shared_prefixes, unit_lengths
-from nanopack.parallel import all_reduce_sum, fail, print0, sync_gradients, teardown_distributed
+from nanopack.parallel import (all_reduce_max, all_reduce_sum, fail, print0, sync_gradients,
+                               teardown_distributed)
 from nanopack.reference import Reference
 from nanopack.rewards import RewardError, Rewards
 from nanopack.run import clip_grad_norm, lr_at, set_lr, start_run
@@ -107,32 +100,10 @@ eval_examples = 200
 # evaluate (greedy replies to held-out prompts: reward, accuracy) and checkpoint; 0 = at the end
 eval_interval = 10
 wandb_run_name = "rl"
-# `loss` names the values of the keys above it not set explicitly (TRL 1.16's settings, the
-# papers' clip ranges)
-GRPO = dict(loss_aggregation="reply_mean", scale_rewards="group", clip_eps=0.2, clip_eps_high=0.2,
-            importance_sampling_level="token", clip_mode="ppo", mask_truncated=False,
-            dynamic_sampling=False)
-PRESETS = dict(
-    grpo=GRPO,
-    dapo=dict(GRPO, loss_aggregation="token_mean", clip_eps_high=0.28, mask_truncated=True,
-              dynamic_sampling=True),
-    dr_grpo=dict(GRPO, loss_aggregation="constant", scale_rewards="none"),
-    gspo=dict(GRPO, clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level="sequence"),
-    cispo=dict(GRPO, loss_aggregation="token_mean", clip_eps=1.0, clip_eps_high=4.0,
-               clip_mode="cispo"),
-    online_dpo=dict(mask_truncated=False, dynamic_sampling=False))
-# the GRPO family
-FAMILY = tuple(PRESETS)[:-1]
-# the keys only one kind of loss reads: set explicitly with the other, a config error
-READ_BY = {key: ("loss", FAMILY, "") for key in ("loss_aggregation", "scale_rewards", "clip_eps",
-                                                 "clip_eps_high", "importance_sampling_level",
-                                                 "clip_mode")}
-READ_BY["kl_coef"] = ("loss", FAMILY, "beta weighs online DPO's reference")
-READ_BY["beta"] = ("loss", ("online_dpo",), "kl_coef is the KL weight here; beta is online DPO's")
 # from a pretrained model, keys not set explicitly take these instead (TRL's GRPO default rate)
 config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, min_lr=1e-7),
-                   presets=dict(loss=PRESETS), read_by=READ_BY, rules=dict(
-    keys.RULES, loss=(*FAMILY, "online_dpo"), k="[2, inf)",
+                   presets=dict(loss=RL_PRESETS), read_by=RL_READ_BY, rules=dict(
+    keys.RULES, loss=(*GRPO_FAMILY, "online_dpo"), k="[2, inf)",
     prompts_per_step="[1, inf)", temperature="(0, inf)", top_p="(0, 1]",
     max_new_tokens="[1, inf)", beta="(0, inf)",
     loss_aggregation=("reply_mean", "token_mean", "constant"),
@@ -148,7 +119,7 @@ config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, 
 objective, objective_stats = RL_OBJECTIVES[loss]
 # as TRL: the GRPO family's ratios and KL are to the policy that sampled, at its temperature;
 # online DPO's pairs are scored at 1
-score_at = temperature if loss in FAMILY else 1.0
+score_at = temperature if loss in GRPO_FAMILY else 1.0
 if mask_truncated and loss == "online_dpo":
     fail("config error: mask_truncated=True with loss='online_dpo': a DPO pair trains whole "
          "replies; drop --mask_truncated or choose a loss of the GRPO family")
@@ -171,22 +142,8 @@ stop_ids = set(tok.stop_ids)
 
 
 def check_prompt_length(ids, where):
-    """A prompt's group must fit one micro-batch and its replies the model's positions, whatever
-    they sample."""
-    group_tokens = (len(ids) + k * max_new_tokens if prefix_sharing
-                    else k * (len(ids) + max_new_tokens))
-    # else too many positions
-    too_many = group_tokens > microbatch_tokens * config["context_parallel"]
-    positions = model_config.max_seq_len
-    if len(ids) + max_new_tokens > positions or too_many:
-        cp_needed = -(-group_tokens // microbatch_tokens)
-        split = (f"raise microbatch_tokens, split it over GPUs with --context_parallel={cp_needed} "
-                 f"(torchrun), ") if too_many else ""
-        fail(f"data error: {where}: the prompt has {len(ids)} tokens: with "
-             f"max_new_tokens={max_new_tokens} and k={k} its group needs up to {group_tokens} "
-             f"tokens, its replies {len(ids) + max_new_tokens} positions "
-             f"(microbatch_tokens={microbatch_tokens}, max_seq_len={positions}); {split}lower "
-             f"max_new_tokens or shorten the prompt")
+    check_group_fits(ids, where, k, max_new_tokens, prefix_sharing, microbatch_tokens,
+                     config["context_parallel"], model_config.max_seq_len)
 
 
 def scorable(record_fields, where):
@@ -220,7 +177,7 @@ iter_num, resumed_extras = restore(run, model, optimizer)
 run.begin(raw_model, iter_num, max_iters)
 # what ckpt.pt records besides the weights: a resumed run starts from it (RL has no token files)
 origin = dict(tokenizer=tok.name, data_dir=None, start=start, model_config=model_config)
-knobs = [*PRESETS["grpo"], "kl_coef"] if loss in FAMILY else ["beta", "dynamic_sampling"]
+knobs = [*RL_PRESETS["grpo"], "kl_coef"] if loss in GRPO_FAMILY else ["beta", "dynamic_sampling"]
 knobs += ["max_extra_rounds"] * dynamic_sampling
 print0(f"RL: {loss} loss ({', '.join(f'{key}={config[key]}' for key in knobs)}), "
        f"{len(train_prompts)} train prompts, {prompts_per_step} x {k} replies per step, "
@@ -234,20 +191,6 @@ ref = Reference.of_model("adapters_off" if config["lora_rank"] else "live", run,
 @lru_cache(maxsize=2)
 def permutation(epoch):
     return np.random.default_rng((config["seed"], epoch)).permutation(len(train_prompts))
-
-
-def score(prompts, replies, num_samples):
-    """-> (total rewards (N,), each reward function's own (N, F)) of the N = len(prompts) *
-    num_samples decoded replies; a failing reward function stops the run in one line."""
-    # host values: plan.py's fake tensors would hide them
-    each = np.zeros((len(replies), len(reward_fns.names)))
-    for i, reply in enumerate(replies):
-        _, messages, fields, where = prompts[i // num_samples]
-        try:
-            each[i] = reward_fns(messages, tok.decode_reply(reply), fields, where)
-        except RewardError as e:
-            raise SystemExit(f"{e}; nothing from this step is trained or saved") from None
-    return each @ reward_fns.weights, each
 
 
 def sample(first):
@@ -266,7 +209,7 @@ def sample(first):
                            top_p=top_p)
     model.train()
     t0 = time.perf_counter()
-    scored = score(prompts, replies, k) if first_in_cp else None
+    scored = reward_fns.score(prompts, replies, k, tok.decode_reply) if first_in_cp else None
     # a CP group's first rank's replies and rewards are the group's: a nondeterministic kernel or
     # reward cannot set its ranks apart
     replies, (rewards, each) = run.cp.broadcast((replies, scored))
@@ -308,14 +251,6 @@ def collect(first):
         if n_kept == prompts_per_step or rounds > max_extra_rounds:
             to_train = (kept[0], kept[1], np.array(kept[2]).reshape(-1, k))
             return to_train, (*sampled, rounds), reward_s, first
-
-
-def all_reduce_max(value):
-    """The largest of an int over all ranks, in one collective."""
-    t = torch.tensor(value, device=device)
-    if world_size > 1:
-        torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
-    return t.item()
 
 
 def reward_std(rewards, ddof=0):
@@ -361,7 +296,7 @@ def best_and_worst(replies, rewards, keep, cut, lengths):
     return pairs, 2, None, len(keep), lambda num_pairs: num_pairs
 
 
-replies_to_train = every_reply if loss in FAMILY else best_and_worst
+replies_to_train = every_reply if loss in GRPO_FAMILY else best_and_worst
 
 
 def training_batches(prompts, replies, rewards):
@@ -385,7 +320,7 @@ def training_batches(prompts, replies, rewards):
     # each rank's groups are its own: as many micro-batches as the busiest rank's
     mbs = rank_microbatches(data, np.arange(len(keep)), unit_lengths(data, size, prefix),
                             microbatch_tokens * config["context_parallel"], size, prefix,
-                            context=run.cp, busiest=all_reduce_max)
+                            context=run.cp, busiest=lambda n: all_reduce_max(n, device))
     return mbs, objective_input, trained, int(np.diff(data["offsets"]).sum()) * first_in_cp
 
 
@@ -417,7 +352,7 @@ def evaluate():
         replies = generate(raw_model, [p[0] for p in mine], max_new_tokens, tok.stop_ids,
                            sync_ranks=sync_ranks)
     model.train()
-    rewards, _ = score(mine, replies, 1)
+    rewards, _ = reward_fns.score(mine, replies, 1, tok.decode_reply)
     total, right, n = all_reduce_sum(
         [rewards.sum().item(), (rewards >= 1).sum().item(), len(mine)], device)
     out = dict(val_reward=total / n, val_accuracy=right / n)
@@ -453,7 +388,7 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
     # as TRL logs them: unweighted
     each_mean = {name: s / n for name, s in zip(reward_fns.names, each_sums)}
     tally[0], tally[1] = tally[0] + trained, tally[1] + sampled_groups
-    longest = all_reduce_max(int(lengths.max(initial=0)))
+    longest = all_reduce_max(int(lengths.max(initial=0)), device)
     mean = r_sum / n
     eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
     n_tokens = max(totals["target_tokens"], 1)

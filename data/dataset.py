@@ -13,7 +13,7 @@ from data.arithmetic import prepare_builtin, rl_prompts
 from data.prepare import as_messages, load, peek_kind, prepare, read_meta, template_inputs
 from data.records import BadRecords, DataError, data_files, parse_fields, read_records
 from packing import layout
-from nanopack.parallel import is_master, print0
+from nanopack.parallel import fail, is_master, print0
 
 NEEDS = dict(sft="messages", dpo="chosen/rejected pairs", rl="prompt records")
 NOT_PROMPTS = dict(sft="'messages' ending with the assistant's reply",
@@ -214,6 +214,24 @@ def peek_prompts(path, split=None, key="data_split", fields=None):
         return prompt_record(record, where)[0], where
     raise DataError(f"{path}: no prompts found (an empty file?); write one {{\"prompt\": ...}} or "
                     f"{{\"messages\": [...]}} record a line")
+
+
+def check_group_fits(ids, where, k, max_new_tokens, prefix_sharing, microbatch_tokens, cp,
+                     positions):
+    """An RL prompt's group must fit one micro-batch (of a CP group: cp x microbatch_tokens) and
+    its replies the model's positions, whatever they sample; else one `data error:` line."""
+    group_tokens = (len(ids) + k * max_new_tokens if prefix_sharing
+                    else k * (len(ids) + max_new_tokens))
+    too_many = group_tokens > microbatch_tokens * cp
+    if len(ids) + max_new_tokens > positions or too_many:
+        cp_needed = -(-group_tokens // microbatch_tokens)
+        split = (f"raise microbatch_tokens, split it over GPUs with --context_parallel={cp_needed} "
+                 f"(torchrun), ") if too_many else ""
+        fail(f"data error: {where}: the prompt has {len(ids)} tokens: with "
+             f"max_new_tokens={max_new_tokens} and k={k} its group needs up to {group_tokens} "
+             f"tokens, its replies {len(ids) + max_new_tokens} positions "
+             f"(microbatch_tokens={microbatch_tokens}, max_seq_len={positions}); {split}lower "
+             f"max_new_tokens or shorten the prompt")
 
 
 def read_prompts(source, n, tok, limit, split=None, key="data_split", fields=None, check=None,

@@ -171,6 +171,14 @@ def all_reduce_sum(values, device):
     return t.tolist()
 
 
+def all_reduce_max(value, device):
+    """The largest of an int over all ranks, in one collective."""
+    t = torch.tensor(value, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def wrap_model(model, parallel, world_size, param_dtype):
     """DDP, or FSDP2 `fully_shard` per block then on the root (torchtitan's layout): float32 sharded
     master weights, computing in param_dtype, gradients reduced in float32. parallel None: the model

@@ -154,6 +154,19 @@ class Rewards:
                 return RewardError(f"{where}: reward {name} cannot score this record: {e}")
         return None
 
+    def score(self, prompts, replies, num_samples, decode):
+        """-> (total rewards (N,), each function's own (N, F)) of the N = len(prompts) x
+        num_samples replies (token lists, decode -> text); a failing function stops the run in one
+        line. Host values: plan.py's fake tensors would hide them."""
+        each = np.zeros((len(replies), len(self.names)))
+        for i, reply in enumerate(replies):
+            _, messages, fields, where = prompts[i // num_samples]
+            try:
+                each[i] = self(messages, decode(reply), fields, where)
+            except RewardError as e:
+                raise SystemExit(f"{e}; nothing from this step is trained or saved") from None
+        return each @ self.weights, each
+
     def __call__(self, prompt, reply, fields, where):
         """-> (len(names),) each function's reward of `reply` to the prompt at `where` (record
         fields `fields`)."""
