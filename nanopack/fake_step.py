@@ -158,7 +158,7 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     out_dir = tempfile.mkdtemp(prefix="plan-")
     swapped = [f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000", "--eval_interval=0",
                "--eval_examples=0", "--overwrite=True", "--wandb_log=False", "--compile=False", "--device=cpu",
-               "--reward=fake_step:distinct_reward", "--reward_weights=None"]
+               "--reward=nanopack.fake_step:distinct_reward", "--reward_weights=None"]
     swapped += ["--dtype=bfloat16"] * (device == "cuda")
     script_args = [script, *args] + [a for a in swapped if a[2:].partition("=")[0] in keys]
     state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None, whole_step_tokens=0)
