@@ -199,9 +199,13 @@ def print_block(path, config):
     its value in `config` and its comment, and the comment lines between."""
     lines = open(path).read().splitlines()
     # sample.py keeps its keys under __main__
-    keys = {stmt.lineno: stmt.targets[0].id for node in ast.parse("\n".join(lines)).body
-            for stmt in (node.body if isinstance(node, ast.If) else [node])
-            if isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)
+    stmts = [stmt for node in ast.parse("\n".join(lines)).body
+             for stmt in (node.body if isinstance(node, ast.If) else [node])]
+    # the block ends at `config = configure(...)`: a key reassigned below it is the run's, not a key
+    end = min([s.lineno for s in stmts if isinstance(s, ast.Assign) and "configure(" in
+               ast.get_source_segment("\n".join(lines), s.value)] or [len(lines) + 1])
+    keys = {stmt.lineno: stmt.targets[0].id for stmt in stmts if stmt.lineno < end
+            and isinstance(stmt, ast.Assign) and isinstance(stmt.targets[0], ast.Name)
             and stmt.targets[0].id in config
             and is_key(stmt.targets[0].id, config[stmt.targets[0].id])}
     first = min(keys)
