@@ -8,10 +8,12 @@
 #   5 rl      train_rl.py at the 1B shape (eager): generation tokens/s and a step; then on step 4's model, compiled
 #   6 lora    full vs LoRA vs QLoRA at the 1B shape (bench_lora.py); a QLoRA train_sft.py run, compiled
 # Logs in $OUT (7 files): session.log (each command's exit code and time, the figures, what did not run), one per step.
-# On the GPU, through the device tool, after `bash bench/gpu_wheels.sh` here (trl, datasets, torchao travel as wheels):
-#   run(command="bash bench/gpu_session.sh 570", carry=[".whl"], timeout_s=600)
-# The limits add up to ~615 s, so the last of step 6 may be left out (session.log names it); if the machine is still
-# warm and device time is left, a second call runs it: run(command="STEPS=6 bash bench/gpu_session.sh 100", ...).
+# On the GPU, through the device tool, after `bash bench/gpu_wheels.sh` here (trl, datasets, torchao travel as wheels),
+# in two calls: the limits add up to ~760 s (2026-11-28, H200: cold imports, compiles and a 1B checkpoint took 2-3x
+# the limits first set), more than one call's 600 s:
+#   run(command="STEPS='1 2 3 4' bash bench/gpu_session.sh 560", carry=[".whl"], timeout_s=600)
+#   run(command="STEPS='5 6' bash bench/gpu_session.sh 300", carry=[".whl"], timeout_s=330)  # steps 4-6 read /tmp runs
+# (a fresh machine for the second call has no step 2/4 models: their runs start from scratch, as init() says)
 # Without CUDA the same commands run at toy sizes: the rehearsal (tests/test_bench.py runs it; a few minutes):
 #   OUT=/tmp/rehearsal bash bench/gpu_session.sh
 # The exit status is 0 when every command ran and returned 0.
@@ -78,21 +80,21 @@ lim() { echo $(( $1 * slack )); }  # a limit passed to a script (bench_train's p
 init() { [ -d "$1" ] && echo "$1" || echo scratch; }  # a model an earlier step made, or scratch if it did not
 
 step1() {
-  run 1_env 15 $PY bench/gpu_env.py
+  run 1_env 40 $PY bench/gpu_env.py
   local xdist=(); [ "$CUDA" = 1 ] && $PY -c "import xdist" 2>/dev/null && xdist=(-n 4)
-  run 1_env 40 $PY -m pytest -p no:cacheprovider -q -rfEs "${xdist[@]}" tests/test_cuda_paths.py \
+  run 1_env 90 $PY -m pytest -p no:cacheprovider -q -rfEs "${xdist[@]}" tests/test_cuda_paths.py \
     tests/test_rope.py::test_fused_matches_reference_cuda \
     tests/test_rope.py::test_fused_rope_only_where_the_kernel_runs \
     tests/test_model.py::test_packed_equals_each_sequence_alone_cuda
   figures 1_env "^python|^GPU|^nvidia|^attention|^torch varlen|MISSING|NF4|no CUDA|passed|failed|SKIPPED|^FAILED"
 }
 step2() {
-  run 2_sft 100 env TORCH_LOGS=recompiles $PY train_sft.py --out_dir="$R/sft" --overwrite=True "${SFT[@]}"
+  run 2_sft 90 env TORCH_LOGS=recompiles $PY train_sft.py --out_dir="$R/sft" --overwrite=True "${SFT[@]}"
   figures 2_sft "^model:|^compile|val accuracy|^done|Error|error:"
   grep -E "^iter [0-9]+/" "$O/2_sft.log" 2>/dev/null | sed -n '1,2p;$p' | tee -a "$LOG"  # the first steps compile
 }
 step3() {
-  run 3_compile 130 $PY bench/bench_train.py --mode sft --size $SIZE --configs packed,packed+compile --steps 3 \
+  run 3_compile 90 $PY bench/bench_train.py --mode sft --size $SIZE --configs packed,packed+compile --steps 3 \
     --warmup 2 --timeout "$(lim 60)"
   figures 3_compile "^SFT|^matmul|^  |^\||^recompiled"
 }
@@ -101,35 +103,35 @@ step4() {
     --steps 2 --warmup 1 --batch_size 32 --timeout "$(lim 38)"
   figures 4_dpo "^DPO|^matmul|^  |^\||^recompiled"
   for ref in cached live; do
-    run 4_dpo 25 env TORCH_LOGS=recompiles $PY train_dpo.py --init_from="$(init "$R/sft/hf")" --out_dir="$R/dpo_$ref" \
+    run 4_dpo 40 env TORCH_LOGS=recompiles $PY train_dpo.py --init_from="$(init "$R/sft/hf")" --out_dir="$R/dpo_$ref" \
       --reference=$ref --overwrite=True --eval_interval=0 "${SHORT[@]}"
   done
   figures 4_dpo "^reference|^iter [0-9]+/|val |^done|Error|error:"
 }
-rl_speed() {  # rl_speed OUT_DIR REPLIES: generation tokens/s of each step train_rl.py logged
+rl_speed() {  # rl_speed OUT_DIR K: generation tokens/s of each step train_rl.py logged, every sampling round
   $PY - "$1" "$2" <<'EOF' 2>&1 | tee -a "$LOG"
 import json, os, sys
-path, replies = sys.argv[1] + "/metrics.jsonl", int(sys.argv[2])
+path, k = sys.argv[1] + "/metrics.jsonl", int(sys.argv[2])
 for m in map(json.loads, open(path)) if os.path.exists(path) else print(f"rl: no {path}: no step was logged") or []:
     if "gen_ms" in m:
-        n = replies * m["reply_tokens"]
+        n = m["groups_sampled"] * k * m["reply_tokens"]  # dynamic sampling: rounds x prompts x k
         print(f"rl {path} iter {m['iter']}: generation {n:,.0f} tokens in {m['gen_ms']:,.0f} ms = "
               f"{n / m['gen_ms'] * 1e3:,.0f} tok/s; train {m['train_ms']:,.0f} ms")
 EOF
 }
 step5() {  # 32 prompts x 8 replies of up to 20 tokens a step (the defaults); random 1B weights never stop early, and
   # all score 0: kl_coef > 0 trains every group anyway (with none, a group whose rewards are all equal is left out)
-  run 5_rl 60 $PY train_rl.py --init_from=scratch --preset=$SHAPE --out_dir="$R/rl_$SHAPE" --overwrite=True \
+  run 5_rl 90 $PY train_rl.py --init_from=scratch --preset=$SHAPE --out_dir="$R/rl_$SHAPE" --overwrite=True \
     --max_iters=2 --eval_examples=0 --compile=False --kl_coef=0.01
-  rl_speed "$R/rl_$SHAPE" 256
-  run 5_rl 25 env TORCH_LOGS=recompiles $PY train_rl.py --init_from="$(init "$R/dpo_cached/hf")" --out_dir="$R/rl" \
+  rl_speed "$R/rl_$SHAPE" 8
+  run 5_rl 45 env TORCH_LOGS=recompiles $PY train_rl.py --init_from="$(init "$R/dpo_cached/hf")" --out_dir="$R/rl" \
     --overwrite=True "${SHORT[@]}"
-  rl_speed "$R/rl" 256
+  rl_speed "$R/rl" 8
   figures 5_rl "^model:|^RL:|^iter [0-9]+/|held-out|Error|error:"
 }
 step6() {
   run 6_lora 45 $PY bench/bench_lora.py --shapes $SHAPE --tokens $TOKENS --steps 2
-  run 6_lora 25 env TORCH_LOGS=recompiles $PY train_sft.py --init_from="$(init "$R/sft/hf")" --out_dir="$R/qlora" \
+  run 6_lora 45 env TORCH_LOGS=recompiles $PY train_sft.py --init_from="$(init "$R/sft/hf")" --out_dir="$R/qlora" \
     --overwrite=True --lora_rank=16 --quantize_base=nf4 --eval_interval=0 "${SHORT[@]}"
   figures 6_lora "^[0-9]+ tokens|^\||^model:|^iter [0-9]+/|val |^done|Error|error:"
 }
