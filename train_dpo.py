@@ -86,6 +86,7 @@ wandb_run_name = "dpo"
 config = configure(globals(), machinery=keys, rules=dict(
     keys.RULES, loss_type=LOSS_TYPES, reference=("auto", "cached", "live", "adapters_off"),
     beta="(0, inf)", label_smoothing="[0, 0.5)", sft_weight="[0, inf)"),
+    read_by=dict(gamma=("loss_type", ("simpo",), "SimPO's target margin")),
     finetune=dict(learning_rate=5e-7, min_lr=5e-8, beta=0.1, sft_weight=0.0))
 if label_smoothing and loss_type in ("ipo", "hinge", "apo_zero", "bco_pair"):
     fail(f"config error: label_smoothing={label_smoothing}; it must be 0 for "

@@ -242,6 +242,8 @@ def test_bad_preference_data_is_one_clear_message(tmp_path, message):
     ("--loss_type=kto", "loss_type='kto'; choose one of sigmoid, ipo, hinge, dpo_norm, simpo, apo_zero, robust, "
                         "bco_pair"),
     ("--loss_type=bco_pair --label_smoothing=0.1", "label_smoothing=0.1; it must be 0 for loss_type='bco_pair'"),
+    # gamma is SimPO's alone: set with another loss it was accepted and changed nothing
+    ("--gamma=1.0", "gamma=1.0 does nothing with loss_type='sigmoid': only loss_type 'simpo' reads it"),
 ])
 def test_config_errors_are_one_clear_message(tmp_path, arg, message):
     out = run([f"--out_dir={tmp_path}", *arg.split()], check=False)
