@@ -34,30 +34,39 @@ class RewardError(ValueError):
     it."""
 
 
-def load_function(name):
-    """'builtin', 'math' or 'module:function' -> the function; the module is imported from where the
-    run starts."""
-    module, colon, attr = BUILTIN.get(name, name).partition(":")
+# what each key that names code loads: (what it is, its signature, the form, an example, a file)
+LOADED = dict(
+    reward=("a function", "a function (prompt, reply, **fields) -> float", "'module:function'",
+            "my_rewards:exact, a function exact in my_rewards.py in this folder", "my_rewards.py"),
+    env=("an environment class", "a class (**fields) with step(reply) -> (observation, reward, "
+         "done)", "'module:Class'", "my_env:Game, a class Game in my_env.py in this folder",
+         "my_env.py"),
+    tools=("a function", "a function (**arguments) -> result", "'module:function'",
+           "my_tools:add, a function add in my_tools.py in this folder", "my_tools.py"))
+
+
+def load_function(name, key="reward"):
+    """'builtin', 'math' or 'module:function' -> the function (or, key='env', a class); the module
+    is imported from where the run starts."""
+    what, signature, form, example, file = LOADED[key]
+    module, colon, attr = (BUILTIN.get(name, name) if key == "reward" else name).partition(":")
     if not (module and colon and attr):
-        raise RewardError(f"reward={name!r}: name a function as 'module:function' (e.g. "
-                          "my_rewards:exact, a function exact in my_rewards.py in this folder), or "
-                          "use 'builtin' or 'math'")
-    if name == "math" and importlib.util.find_spec("math_verify") is None:
+        raise RewardError(f"{key}={name!r}: name {what} as {form} (e.g. {example})"
+                          + ", or use 'builtin' or 'math'" * (key == "reward"))
+    if name == "math" and key == "reward" and importlib.util.find_spec("math_verify") is None:
         raise RewardError("reward='math' checks answers with math-verify: pip install math-verify")
     if os.getcwd() not in sys.path:
         sys.path.append(os.getcwd())  # a my_rewards.py where the run is launched
     try:
         fn = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
-        raise RewardError(f"reward={name!r}: {e}; name a function (prompt, reply, **fields) -> "
-                          "float as 'module:function', the module importable from here (e.g. "
-                          "my_rewards.py in this folder)")
+        raise RewardError(f"{key}={name!r}: {e}; name {signature} as {form}, the module "
+                          f"importable from here (e.g. {file} in this folder)")
     except Exception as e:  # the user's module fails as it is imported
-        raise RewardError(f"reward={name!r}: importing {module} raised "
+        raise RewardError(f"{key}={name!r}: importing {module} raised "
                           f"{type(e).__name__}: {e}") from None
     if not callable(fn):
-        raise RewardError(f"reward={name!r}: {module}.{attr} is a {type(fn).__name__}, not a "
-                          "function")
+        raise RewardError(f"{key}={name!r}: {module}.{attr} is a {type(fn).__name__}, not {what}")
     return fn
 
 

@@ -18,7 +18,7 @@ FLOORS = [  # lowest first: a module may import only from floors below its own
     ("data.arithmetic", "nanopack.lora", "nanopack.metrics"),
     # rewards: loads data.arithmetic's reward by name
     ("nanopack.checkpoint", "data.dataset", "nanopack.rewards"),
-    ("nanopack.keys", "nanopack.configurator"),
+    ("nanopack.keys", "nanopack.configurator", "nanopack.env"),
     ("nanopack.run", "nanopack.startup"),
     ("nanopack.reference", "nanopack.fakes"),
     ("nanopack.fake_step",),
