@@ -146,6 +146,44 @@ def rl_prompts(split, n, seed=0, hard=False):
         yield messages[:-1], OPS[op](a, b)
 
 
+def env_prompts(split, n, seed=0):
+    """Multi-turn RL (train_rl.py --env=builtin): yields (prompt messages, FollowUps' fields) for
+    the first n conversations of `split` with a follow-up: the chat cut after the question the
+    first follow-up builds on; the follow-ups the environment asks after each answer."""
+    made = 0
+    for messages, problems in conversations(split, 10 ** 9, seed):
+        starts = [j for j in range(len(problems) - 1) if problems[j + 1][3]]
+        if not starts:
+            continue
+        j, system = starts[0], int(messages[0]["role"] == "system")
+        chain = [(op, b) for _, op, b, _ in problems[j + 1:]]
+        follow = len(chain) if all(p[3] for p in problems[j + 1:]) else \
+            [p[3] for p in problems[j + 1:]].index(False)
+        a, op, b, _ = problems[j]
+        yield messages[:system + 2 * j + 1], dict(answer=OPS[op](a, b), follow_ups=chain[:follow])
+        made += 1
+        if made == n:
+            return
+
+
+class FollowUps:
+    """The built-in environment: after each answer, the next follow-up ("Now add 4 to that.") on
+    the number the model itself gave, so a later turn builds on what it said; 1 per right answer."""
+
+    def __init__(self, answer, follow_ups):
+        self.answer, self.follow_ups = answer, [tuple(f) for f in follow_ups]
+
+    def step(self, reply):
+        numbers = re.findall(r"-?\d+", reply.rsplit("=", 1)[-1])
+        said = int(numbers[0]) if numbers else None
+        right = float(said == self.answer)
+        if not self.follow_ups:
+            return None, right, True
+        op, b = self.follow_ups.pop(0)
+        self.answer = OPS[op](self.answer if said is None else said, b)
+        return FOLLOW_UPS[op][0].format(b=b), right, False
+
+
 def val_problems(n=200, seed=0, hard=False):
     """-> [(prompt messages, answer)]: the first n val conversations, cut before their last
     answer."""
@@ -212,3 +250,4 @@ if __name__ == "__main__":
         print(json.dumps(record))
     print(val_problems(2))
     print(next(rl_prompts("train", 1, hard=True)))
+    print(next(env_prompts("train", 1)))

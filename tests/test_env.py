@@ -166,3 +166,15 @@ def test_a_raising_environment_names_itself_the_record_and_turn(qwen):
     t = Trajectory(qwen.render_prompt([U("hi")]), [U("hi")], Broken())
     with pytest.raises(EnvError, match=r"^env Broken.step raised KeyError: 'score' \(data.jsonl line 3, turn 1\)$"):
         rollout(Scripted({0: [[qwen.eos_id]]}), qwen, [t], 3, 100, where=lambda i: "data.jsonl line 3")
+
+
+def test_builtin_follow_ups_build_on_what_the_model_said():
+    from data.arithmetic import FollowUps, env_prompts
+    prompts = list(env_prompts("val", 50))
+    assert len(prompts) == 50 and all(f["follow_ups"] for _, f in prompts)
+    assert all(m[-1]["role"] == "user" for m, _ in prompts)
+    env = FollowUps(answer=3, follow_ups=[("*", 2), ("-", 2)])
+    assert env.step("8-5 = 3") == ("Now multiply that by 2.", 1.0, False)
+    # wrong (6 was right), and the next question is asked of the 7 it said: 7-2 = 5
+    assert env.step("3*2 = 7") == ("Now subtract 2 from that.", 0.0, False)
+    assert env.step("7-2 = 5") == (None, 1.0, True)
