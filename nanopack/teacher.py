@@ -38,6 +38,9 @@ class Teacher(Reference):
 def load_teacher(run, name, student_config):
     """The `teacher` key's model (a Hugging Face folder; a hub name is resolved to one), frozen;
     a vocabulary unlike the student's stops the run with one line naming both."""
+    if not name:
+        fail("config error: distillation learns from a teacher: set --teacher to a Hugging Face "
+             "folder or hub name whose vocabulary is the student's")
     start = dict(init_from=name, preset=None, weights=base_weights(name))
     config = initial_config(start, None)
     if config.vocab_size != student_config.vocab_size:
