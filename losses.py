@@ -188,11 +188,14 @@ def distill_advantages(teacher_logps, sampling_logps, coef):
 
 
 def distill_objective(mb, logps, old, replies, settings):
-    """The GRPO family's objective with each reply token's advantage its reply's group advantage
-    (0 for reward 'none') + distill_advantages (old["teacher"]: the teacher's log-probs) -> as
+    """The GRPO family's objective with each reply token's advantage (1 - c) x its reply's group
+    advantage + distill_advantages(c) (old["teacher"]: the teacher's log-probs), c = distill_coef:
+    1 learns from the teacher alone (the reward still scored, logged and evaluated) -> as
     grpo_objective, and distill_loss: the summed reverse-KL estimate log p_student - log
     p_teacher."""
-    token_advantages = distill_advantages(old["teacher"], old["sampling"], settings["distill_coef"])
+    c = settings["distill_coef"]
+    token_advantages = distill_advantages(old["teacher"], old["sampling"], c)
+    replies = (replies[0] * (1 - c), *replies[1:])
     loss, sums = grpo_objective(mb, logps, old, replies, settings, token_advantages)
     return loss, dict(sums, distill_loss=(old["sampling"] - old["teacher"]).sum())
 

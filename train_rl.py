@@ -64,7 +64,7 @@ max_new_tokens = 20  # a reply that has not stopped by then is cut here (truncat
 # 'cispo' (MiniMax-M1), 'distill' (on-policy distillation from `teacher`: docs/distill.md)
 loss = "dapo"
 teacher = None  # distill: a Hugging Face folder or hub name with the student's vocabulary
-distill_coef = 1.0  # distill: advantage = group's + this x (log p_teacher - log p_student)
+distill_coef = 1.0  # distill: advantage (1 - c) x group's + c x (log p_teacher - log p_student)
 # 'reply_mean': each reply's mean over its tokens, then the mean over the step's replies (TRL
 # loss_type='grpo'); 'token_mean': over the step's reply tokens (TRL 'dapo'); 'constant': the sum
 # over (the step's replies x max_new_tokens) (TRL 'dr_grpo')
@@ -114,7 +114,7 @@ config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, 
     clip_eps="(0, inf)", clip_eps_high="(0, inf)",
     importance_sampling_level=("token", "sequence"),
     clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)",
-    updates_per_batch="[1, inf)", max_iters="[1, inf)", distill_coef="[0, inf)"))
+    updates_per_batch="[1, inf)", max_iters="[1, inf)", distill_coef="[0, 1]"))
 # -----------------------------------------------------------------------------
 
 

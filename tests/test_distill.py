@@ -89,13 +89,13 @@ def test_a_teacher_equal_to_the_student_gives_zero_and_no_gradient(beta):
 
 
 def test_the_on_policy_advantage_is_the_teachers_log_ratio_per_token():
-    """Two groups of k=2 replies, 7 trained tokens: each token's advantage is its reply's group advantage + coef x
-    (log p_teacher - log p_student at sampling), and the loss the PPO clip of it written out; distill_loss sums
-    log p_student - log p_teacher; a teacher equal to the sampling policy leaves only the group advantage."""
+    """Two groups of k=2 replies, 7 trained tokens: each token's advantage is (1 - c) x its reply's group advantage +
+    c x (log p_teacher - log p_student at sampling), and the loss the PPO clip of it written out; distill_loss sums
+    log p_student - log p_teacher; a teacher equal to the sampling policy leaves only the group advantage's share."""
     from types import SimpleNamespace
     from losses import distill_advantages, distill_objective, policy_loss
     settings = dict(k=2, clip_eps=0.2, clip_eps_high=0.28, clip_mode="ppo", importance_sampling_level="token",
-                    kl_coef=0.0, distill_coef=0.5)
+                    kl_coef=0.0, distill_coef=0.25)
     mb = SimpleNamespace(units=torch.tensor([1, 0]), seq_ids=torch.tensor([0, 0, 1, 1, 1, 2, 3]))
     sampling = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.5, -0.2, -2.5])
     teacher = torch.tensor([-0.5, -2.5, -0.1, -1.0, -4.0, -0.2, -1.5])
@@ -104,18 +104,19 @@ def test_the_on_policy_advantage_is_the_teachers_log_ratio_per_token():
     group_adv = torch.tensor([0.3, -0.3, 1.0, -1.0])  # replies of groups 0 and 1, in group order
     weights = torch.full((4,), 1 / 7)
     lengths = torch.tensor([2.0, 3.0, 1.0, 1.0])
-    token_adv = distill_advantages(teacher, sampling, 0.5)
-    torch.testing.assert_close(token_adv, 0.5 * (teacher - sampling), rtol=0, atol=0)
+    token_adv = distill_advantages(teacher, sampling, 0.25)
+    torch.testing.assert_close(token_adv, 0.25 * (teacher - sampling), rtol=0, atol=0)
     old = dict(sampling=sampling, ref=None, teacher=teacher)
     loss, sums = distill_objective(mb, logps, old, (group_adv, weights, lengths), settings)
     # the batch holds group 1 then group 0: replies 2, 3, 0, 1
     seqs = torch.tensor([2, 3, 0, 1])
-    a = group_adv[seqs][mb.seq_ids] + 0.5 * (teacher - sampling)
+    a = 0.75 * group_adv[seqs][mb.seq_ids] + 0.25 * (teacher - sampling)
     ratio = torch.exp(logps - sampling)
     want = (-torch.min(ratio * a, ratio.clamp(0.8, 1.28) * a) / 7).sum()
     torch.testing.assert_close(loss, want, rtol=1e-6, atol=1e-7)
     torch.testing.assert_close(sums["distill_loss"], (sampling - teacher).sum())
-    alone, _ = policy_loss(logps, sampling, mb.seq_ids, group_adv[seqs], weights[seqs], lengths[seqs], 0.2, 0.28)
+    alone, _ = policy_loss(logps, sampling, mb.seq_ids, 0.75 * group_adv[seqs], weights[seqs], lengths[seqs], 0.2,
+                           0.28)
     same, sums = distill_objective(mb, logps, dict(old, teacher=sampling), (group_adv, weights, lengths), settings)
     assert sums["distill_loss"] == 0 and same.item() == alone.item()
 
