@@ -280,14 +280,19 @@ def _jsd_rows(s, t, beta):
     return jsd, g - ps * g.sum(1, keepdim=True)
 
 
+# the JSD's chunk: ~8 (chunk, vocab) float32 buffers at once, 512 x 128k x 4 bytes x 8 = 2 GiB
+DISTILL_CHUNK = 512
+
+
 def _distill_chunk(z, zt, targets, beta, temperature, weight):
     """A chunk's student and teacher logits (C, V) -> (per-row NLL, JSD (C,), the gradient of (1 -
     weight) NLL + weight JSD with respect to the student's logits (C, V))."""
     logp = torch.log_softmax(z, dim=-1)
     rows = torch.arange(len(targets), device=z.device)
     nll = -logp[rows, targets]
-    jsd, g_jsd = _jsd_rows(torch.log_softmax(z / temperature, dim=-1),
-                           torch.log_softmax(zt / temperature, dim=-1), beta)
+    s = logp if temperature == 1 else torch.log_softmax(z / temperature, dim=-1)
+    jsd, g_jsd = _jsd_rows(s, torch.log_softmax(zt / temperature, dim=-1), beta)
+    del s
     g = logp.exp_()
     g[rows, targets] -= 1.0
     # d(z / T) = dz / T
@@ -312,18 +317,19 @@ class ChunkedDistill(torch.autograd.Function):
             sums = torch.zeros(3, device=h.device, dtype=acc)
             grad_hs = torch.empty_like(hs)
             grad_w = torch.zeros(w.shape, device=w.device, dtype=acc) if need_w else None
-            for s in range(0, hs.shape[0], LOSS_CHUNK):
-                hc, tc = hs[s:s + LOSS_CHUNK], ts[s:s + LOSS_CHUNK]
+            for s in range(0, hs.shape[0], DISTILL_CHUNK):
+                hc, tc = hs[s:s + DISTILL_CHUNK], ts[s:s + DISTILL_CHUNK]
                 z = (hc @ wc.t()).to(acc)[:, :vocab_size]
-                zt = (hts[s:s + LOSS_CHUNK] @ wt.t()).to(acc)
+                zt = (hts[s:s + DISTILL_CHUNK] @ wt.t()).to(acc)
                 nll, jsd, g = _distill_chunk(z, zt, tc, beta, temperature, weight)
-                scale = None if sc is None else sc[s:s + LOSS_CHUNK]
+                del z, zt
+                scale = None if sc is None else sc[s:s + DISTILL_CHUNK]
                 if scale is not None:
                     nll, jsd, g = nll * scale, jsd * scale, g.mul_(scale[:, None])
                 sums += torch.stack([(1 - weight) * nll.sum() + weight * jsd.sum(), nll.sum(),
                                      jsd.sum()])
                 g = g.to(dtype)
-                grad_hs[s:s + LOSS_CHUNK] = g @ wc[:vocab_size]
+                grad_hs[s:s + DISTILL_CHUNK] = g @ wc[:vocab_size]
                 if need_w:
                     grad_w[:vocab_size] += (g.t() @ hc).to(acc)
             grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))

@@ -47,7 +47,7 @@ def student_and_teacher(dtype, n=37, d=16, d_teacher=12, vocab=50, seed=0):
 def test_chunked_jsd_equals_trl_on_full_logits(monkeypatch, beta, temperature, dtype):
     from trl.experimental.gkd.gkd_trainer import GKDTrainer
     # chunks of 8 rows: 30 trained tokens in four chunks, the last one short
-    monkeypatch.setattr(kernels, "LOSS_CHUNK", 8)
+    monkeypatch.setattr(kernels, "DISTILL_CHUNK", 8)
     h, w, h_t, w_t, targets, vocab = student_and_teacher(dtype)
     loss, (nll, jsd) = kernels.chunked_distill(h, w, targets, vocab, h_t, w_t, beta, temperature, weight=1.0)
     grads = torch.autograd.grad(loss, (h, w))
@@ -66,7 +66,7 @@ def test_chunked_jsd_equals_trl_on_full_logits(monkeypatch, beta, temperature, d
 
 def test_the_mix_weighs_nll_and_jsd_per_token(monkeypatch):
     """(1 - weight) NLL + weight JSD, each token scaled: the loss and gradients of the two terms written apart."""
-    monkeypatch.setattr(kernels, "LOSS_CHUNK", 8)
+    monkeypatch.setattr(kernels, "DISTILL_CHUNK", 8)
     h, w, h_t, w_t, targets, vocab = student_and_teacher(torch.float64)
     scales = torch.rand(len(targets), dtype=torch.float64)
     loss, _ = kernels.chunked_distill(h, w, targets, vocab, h_t, w_t, 0.5, 2.0, 0.3, scales)
