@@ -181,7 +181,7 @@ run.begin(raw_model, iter_num, max_iters)
 # what ckpt.pt records besides the weights: a resumed run starts from it (RL has no token files)
 origin = dict(tokenizer=tok.name, data_dir=None, start=start, model_config=model_config)
 knobs = [*RL_PRESETS["grpo"], "kl_coef"] if loss in GRPO_FAMILY else ["beta", "dynamic_sampling"]
-knobs += ["max_extra_rounds"] * dynamic_sampling
+knobs += ["max_extra_rounds"] * dynamic_sampling + ["teacher", "distill_coef"] * (loss == "distill")
 print0(f"RL: {loss} loss ({', '.join(f'{key}={config[key]}' for key in knobs)}), "
        f"{len(train_prompts)} train prompts, {prompts_per_step} x {k} replies per step, "
        f"reward {reward_fns}, {len(val_prompts)} held-out prompts")

@@ -241,3 +241,13 @@ def test_a_teacher_of_another_vocabulary_is_one_line(tmp_path, sft_data):
     out = run_script("train_sft.py", sft_args(str(tmp_path / "run"), sft_data, teacher=folder), check=False)
     assert out.returncode != 0 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"teacher={folder!r} has a vocabulary of 400 tokens and the student 261" in out.stderr
+
+
+def test_a_distillation_key_without_a_teacher_is_a_config_error():
+    from nanopack.configurator import ConfigError, check_read
+    read_by = {"distill_beta": ("teacher", None, "only logit distillation reads it")}
+    check_read(dict(teacher="t", distill_beta=0.2), {"distill_beta"}, read_by)
+    check_read(dict(teacher=None, distill_beta=0.5), set(), read_by)  # the default, not set: nothing to say
+    with pytest.raises(ConfigError, match="distill_beta=0.2 does nothing without teacher: only logit distillation "
+                                          "reads it; set teacher, or drop distill_beta"):
+        check_read(dict(teacher=None, distill_beta=0.2), {"distill_beta"}, read_by)
