@@ -6,8 +6,9 @@ The losses on log-probs, pure functions of tensors (tests/test_dpo_loss.py, test
   group_advantages  the GRPO family's advantages: rewards less their group's mean, scaled (or not)
   policy_loss       the GRPO family's loss on a micro-batch: PPO's or CISPO's clip of a ratio per
                     token or per reply (GSPO), weighted per token, + a KL estimate to a reference
-  RL_OBJECTIVES     train_rl.py's objective by name: grpo_objective (the GRPO family) or
-                    online_dpo_objective
+  RL_OBJECTIVES     train_rl.py's objective by name: grpo_objective (the GRPO family),
+                    distill_objective (on-policy distillation: the teacher's per-token advantage)
+                    or online_dpo_objective
   pair_stats        named per-pair statistics (rewards, reward accuracy, log-probs), summed
 A pair p is sequences 2p (chosen) and 2p+1 (rejected);
 mb.pair_sums(per-target values) -> (chosen (P,), rejected (P,)).
@@ -112,14 +113,18 @@ def clip_counts(ratio, advantages, clip_low, clip_high, clip_mode):
 
 
 def policy_loss(logps, old_logps, seq_ids, advantages, weights, lengths, clip_low, clip_high,
-                clip_mode="ppo", reply_sums=None, ref_logps=None, kl_coef=0.0):
+                clip_mode="ppo", reply_sums=None, ref_logps=None, kl_coef=0.0,
+                token_advantages=None):
     """The GRPO family on a micro-batch's K trained tokens -> (its share of the step loss,
     (ratio sum, tokens clipped low, high)). Per reply (S,): advantages, weights (each of its
     tokens' share of the step loss), lengths (its trained tokens); seq_ids (K,) each token's reply.
     Ratios to the sampling policy (old_logps), one per token, or with reply_sums (per token ->
-    (S,) sums) one per reply, exp of its mean log-ratio (GSPO); + kl_coef x k3 KL to ref_logps."""
+    (S,) sums) one per reply, exp of its mean log-ratio (GSPO); + kl_coef x k3 KL to ref_logps.
+    token_advantages (K,): added to each token's (per-token ratios only)."""
     log_ratio = logps - old_logps
     a, w = advantages[seq_ids], weights[seq_ids]
+    if token_advantages is not None:
+        a = a + token_advantages
     if reply_sums is None:
         ratio = torch.exp(log_ratio)
         losses, per_reply = clipped_objective(ratio, a, clip_low, clip_high, clip_mode, logps), 0.0
@@ -158,28 +163,48 @@ def loss_weights(lengths, aggregation, normaliser):
 POLICY_STATS = ("ratio_sum", "clipped_low", "clipped_high")
 
 
-def grpo_objective(mb, logps, sampling_logps, ref_logps, replies, settings):
+def grpo_objective(mb, logps, old, replies, settings, token_advantages=None):
     """The GRPO family on a micro-batch of groups of k replies -> (its share of the step loss, its
-    sums by name: the loss, ratios, tokens clipped low and high). replies: (advantages, weights,
-    lengths) of each reply of this rank's groups; settings: the config's k, clip_eps, clip_eps_high,
-    clip_mode, importance_sampling_level, kl_coef."""
+    sums by name: the loss, ratios, tokens clipped low and high). old: the sampling policy's
+    ("sampling") and the reference's ("ref") log-probs of its tokens; replies: (advantages,
+    weights, lengths) of each reply of this rank's groups; settings: the config's k, clip_eps,
+    clip_eps_high, clip_mode, importance_sampling_level, kl_coef."""
     k = settings["k"]
     # the batch's replies: group u holds replies u*k .. u*k+k-1
     seqs = (mb.units[:, None] * k + torch.arange(k, device=logps.device)).flatten()
     advantages, weights, lengths = (x[seqs] for x in replies)
     reply_sums = mb.sequence_sums if settings["importance_sampling_level"] == "sequence" else None
     clip = settings["clip_eps"], settings["clip_eps_high"], settings["clip_mode"]
-    loss, stats = policy_loss(logps, sampling_logps, mb.seq_ids, advantages, weights, lengths,
-                              *clip, reply_sums, ref_logps, settings["kl_coef"])
+    loss, stats = policy_loss(logps, old["sampling"], mb.seq_ids, advantages, weights, lengths,
+                              *clip, reply_sums, old["ref"], settings["kl_coef"], token_advantages)
     # a CP slice holds a share of the tokens: the shares add up
     return loss, dict(loss=loss.detach(), **dict(zip(POLICY_STATS, stats)))
 
 
-def online_dpo_objective(mb, logps, sampling_logps, ref_logps, num_pairs, settings):
+def distill_advantages(teacher_logps, sampling_logps, coef):
+    """On-policy distillation's per-token advantage: coef x (log p_teacher - log p_student) of each
+    sampled token, both at sampling time: minus the sampled-token estimate of the reverse KL."""
+    return coef * (teacher_logps - sampling_logps)
+
+
+def distill_objective(mb, logps, old, replies, settings):
+    """The GRPO family's objective with each reply token's advantage (1 - c) x its reply's group
+    advantage + distill_advantages(c) (old["teacher"]: the teacher's log-probs), c = distill_coef:
+    1 learns from the teacher alone (the reward still scored, logged and evaluated) -> as
+    grpo_objective, and distill_loss: the summed reverse-KL estimate log p_student - log
+    p_teacher."""
+    c = settings["distill_coef"]
+    token_advantages = distill_advantages(old["teacher"], old["sampling"], c)
+    replies = (replies[0] * (1 - c), *replies[1:])
+    loss, sums = grpo_objective(mb, logps, old, replies, settings, token_advantages)
+    return loss, dict(sums, distill_loss=(old["sampling"] - old["teacher"]).sum())
+
+
+def online_dpo_objective(mb, logps, old, num_pairs, settings):
     """Online DPO on a micro-batch of pairs (each group's best and worst reply) -> (its share of the
     step loss: its pairs' sigmoid DPO losses / the step's pairs, its sums by name: the loss)."""
     pc, pr = mb.pair_sums(logps)
-    rc, rr = mb.pair_sums(ref_logps)
+    rc, rr = mb.pair_sums(old["ref"])
     loss = dpo_loss(pc, pr, rc, rr, None, None, "sigmoid", settings["beta"])[0].sum() / num_pairs
     # a CP group's ranks hold the same pairs' sums, so the same loss: its first rank counts it
     first = mb.context is None or mb.context.rank == 0
@@ -189,6 +214,7 @@ def online_dpo_objective(mb, logps, sampling_logps, ref_logps, num_pairs, settin
 # train_rl.py's objective by its `loss` key: (the micro-batch loss, its sums' names besides `loss`)
 GRPO = (grpo_objective, POLICY_STATS)
 RL_OBJECTIVES = dict(grpo=GRPO, dapo=GRPO, dr_grpo=GRPO, gspo=GRPO, cispo=GRPO,
+                     distill=(distill_objective, (*POLICY_STATS, "distill_loss")),
                      online_dpo=(online_dpo_objective, ()))
 
 
@@ -213,6 +239,8 @@ RL_PRESETS = dict(
     gspo=dict(GRPO, clip_eps=3e-4, clip_eps_high=4e-4, importance_sampling_level="sequence"),
     cispo=dict(GRPO, loss_aggregation="token_mean", clip_eps=1.0, clip_eps_high=4.0,
                clip_mode="cispo"),
+    # every group trains (the teacher's term differs between tokens), with DAPO's token mean
+    distill=dict(GRPO, loss_aggregation="token_mean", dynamic_sampling=False),
     online_dpo=dict(mask_truncated=False, dynamic_sampling=False))
 # the GRPO family
 GRPO_FAMILY = tuple(RL_PRESETS)[:-1]
@@ -221,6 +249,11 @@ GRPO_FAMILY = tuple(RL_PRESETS)[:-1]
 GRPO_ONLY = ("loss_aggregation", "scale_rewards", "clip_eps", "clip_eps_high",
              "importance_sampling_level", "clip_mode")
 RL_READ_BY = {key: ("loss", GRPO_FAMILY, "") for key in GRPO_ONLY}
+# the teacher's per-token advantage is per token: no ratio per reply
+RL_READ_BY["importance_sampling_level"] = ("loss", tuple(x for x in GRPO_FAMILY if x != "distill"),
+                                             "")
+for key in ("teacher", "distill_coef"):
+    RL_READ_BY[key] = ("loss", ("distill",), "on-policy distillation")
 RL_READ_BY["kl_coef"] = ("loss", GRPO_FAMILY, "beta weighs online DPO's reference")
 RL_READ_BY["beta"] = ("loss", ("online_dpo",),
                       "kl_coef is the KL weight here; beta is online DPO's")

@@ -438,7 +438,7 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids, position_ids=None, cu_seqlens=None, max_seqlen=None, targets=None,
                 loss_weights=None, logprobs=False, logits_at=None, cache=None, target_rows=None,
-                kv=None, temperature=1.0):
+                kv=None, temperature=1.0, head=None):
         """All uses go through forward, so that the DDP / FSDP2 wrappers' hooks run (gradient sync,
         all-gathers):
           targets:                 (summed cross-entropy float32, number of targets),
@@ -449,11 +449,14 @@ class Transformer(nn.Module):
                                    (generation)
         targets (T,): each position's next token, -100 where none; with target_rows (K,), row
         target_rows[i]'s (a shared prompt's last row predicts two). cache: generate.KVCache,
-        max_seqlen counting the cached tokens."""
+        max_seqlen counting the cached tokens. head: f(h, w, targets, vocab_size) in place of the
+        LM head (distillation: the teacher's states, the student's loss through both heads)."""
         h = self.hidden_states(input_ids, position_ids, cu_seqlens, max_seqlen, kv, cache)
         if target_rows is not None:
             h = h.index_select(0, target_rows)  # (K, d): the gradient of a row used twice is summed
         w, V = self.head_weight(), self.config.vocab_size
+        if head is not None:
+            return head(h, w, targets, V)
         if targets is None:
             h = h if logits_at is None else h[logits_at]
             return F.linear(h, w)[:, :V]

@@ -37,6 +37,7 @@ from nanopack.parallel import (all_reduce_max, all_reduce_sum, fail, print0, syn
 from nanopack.reference import Reference
 from nanopack.rewards import RewardError, Rewards
 from nanopack.run import clip_grad_norm, lr_at, set_lr, start_run
+from nanopack.teacher import load_teacher
 from nanopack.startup import (initial_weights, load_model, load_tokenizer, lora_settings,
                               param_groups, restore)
 
@@ -49,7 +50,7 @@ init_from = "out/dpo/hf"
 # 'builtin' (the arithmetic task's hard split) or records {"prompt" or "messages", reward fields}
 data = "builtin"
 val_data = None  # records: held-out prompts for evaluation (builtin: the hard split's val chats)
-# 'builtin' (exact answer), 'math' (math-verify) or 'module:function' (see rewards.py); 'a,b': both
+# 'builtin' (exact answer), 'math' (math-verify), 'none' or 'module:function' (rewards.py); 'a,b'
 reward = "builtin"
 # one per reward, e.g. 1,0.5: the total reward is their weighted sum; default: 1 each
 reward_weights = None
@@ -60,8 +61,10 @@ top_p = 1.0
 max_new_tokens = 20  # a reply that has not stopped by then is cut here (truncated)
 # 'online_dpo', or a paper's setting of the GRPO family's keys below (each printed at --help's end):
 # 'grpo' (DeepSeekMath), 'dapo' (DAPO; TRL's default), 'dr_grpo' (Dr. GRPO), 'gspo' (GSPO),
-# 'cispo' (MiniMax-M1)
+# 'cispo' (MiniMax-M1), 'distill' (on-policy distillation from `teacher`: docs/distill.md)
 loss = "dapo"
+teacher = None  # distill: a Hugging Face folder or hub name with the student's vocabulary
+distill_coef = 1.0  # distill: advantage (1 - c) x group's + c x (log p_teacher - log p_student)
 # 'reply_mean': each reply's mean over its tokens, then the mean over the step's replies (TRL
 # loss_type='grpo'); 'token_mean': over the step's reply tokens (TRL 'dapo'); 'constant': the sum
 # over (the step's replies x max_new_tokens) (TRL 'dr_grpo')
@@ -111,7 +114,7 @@ config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, 
     clip_eps="(0, inf)", clip_eps_high="(0, inf)",
     importance_sampling_level=("token", "sequence"),
     clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)",
-    updates_per_batch="[1, inf)", max_iters="[1, inf)"))
+    updates_per_batch="[1, inf)", max_iters="[1, inf)", distill_coef="[0, 1]"))
 # -----------------------------------------------------------------------------
 
 
@@ -178,7 +181,7 @@ run.begin(raw_model, iter_num, max_iters)
 # what ckpt.pt records besides the weights: a resumed run starts from it (RL has no token files)
 origin = dict(tokenizer=tok.name, data_dir=None, start=start, model_config=model_config)
 knobs = [*RL_PRESETS["grpo"], "kl_coef"] if loss in GRPO_FAMILY else ["beta", "dynamic_sampling"]
-knobs += ["max_extra_rounds"] * dynamic_sampling
+knobs += ["max_extra_rounds"] * dynamic_sampling + ["teacher", "distill_coef"] * (loss == "distill")
 print0(f"RL: {loss} loss ({', '.join(f'{key}={config[key]}' for key in knobs)}), "
        f"{len(train_prompts)} train prompts, {prompts_per_step} x {k} replies per step, "
        f"reward {reward_fns}, {len(val_prompts)} held-out prompts")
@@ -186,6 +189,7 @@ logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wa
                        config, resume_iter=iter_num if init_from == "resume" else None)
 ref = Reference.of_model("adapters_off" if config["lora_rank"] else "live", run, model, raw_model,
                          start) if loss == "online_dpo" or kl_coef else None
+teacher_model = load_teacher(run, teacher, model_config) if loss == "distill" else None
 
 
 @lru_cache(maxsize=2)
@@ -305,7 +309,7 @@ def training_batches(prompts, replies, rewards):
     tokens unshared). A group whose k rewards are equal is not computed (unless kl_coef > 0: its KL
     term); it counts in the step's normaliser as TRL counts it (it has no loss)."""
     rewards = np.asarray(rewards, dtype=np.float64).reshape(-1, k)
-    taught = teaches(rewards)
+    taught = teaches(rewards) | (loss == "distill")
     # kl_coef is the GRPO family's only (configure refuses it with online_dpo)
     keep = [g for g in range(len(prompts)) if taught[g] or kl_coef]
     cut = np.array([[mask_truncated and truncated(r) for r in group] for group in replies],
@@ -333,9 +337,9 @@ def microbatch_loss(mb, objective_input, old):
         # (K,) one per trained token
         logps = model(**mb.inputs(), logprobs=True, temperature=score_at)
     if "ref" not in old:
-        old["ref"] = ref.logps(mb, score_at) if ref is not None else None
+        old["ref"], old["teacher"] = (m and m.logps(mb, score_at) for m in (ref, teacher_model))
         old["sampling"] = logps.detach()
-    loss_share, sums = objective(mb, logps, old["sampling"], old["ref"], objective_input, config)
+    loss_share, sums = objective(mb, logps, old, objective_input, config)
     sums.update(sampled_nll=-old["sampling"].sum(), target_tokens=float(mb.num_target_tokens))
     return loss_share * world_size, sums
 
@@ -401,6 +405,7 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
                    sampled_nll=totals["sampled_nll"] / n_tokens,
                    ratio_mean=per_token.get("ratio_sum"), clip_low=per_token.get("clipped_low"),
                    clip_high=per_token.get("clipped_high"),
+                   distill_loss=per_token.get("distill_loss"),
                    gen_ms=1000 * gen_s, reward_ms=1000 * reward_s, train_ms=1000 * train_s,
                    tokens_unshared=unshared, lr=lr, grad_norm=grad_norm.item(),
                    skipped_steps=run.guard.skipped_steps, **perf,
@@ -412,6 +417,7 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
         groups_line += ": every group's rewards were equal, nothing learned"
     parts = ", ".join(f"{name} {m:.3f}" for name, m in each_mean.items())
     parts = f" ({parts})" * (len(each_mean) > 1)
+    parts += "" if loss != "distill" else f" | distill {metrics['distill_loss']:.4f}"
     print0(f"iter {iter_num}/{max_iters} | loss {totals['loss']:.4f} | reward {mean:.3f}{parts} | "
            f"accuracy {100 * metrics['accuracy']:.1f}% | {groups_line} | reply "
            f"{reply_tokens / n:.1f} tokens (max {longest}, {100 * cut / n:.0f}% cut) | ms: gen "

@@ -24,6 +24,7 @@ from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import IGNORE_INDEX, PackedLoader, layout, rank_microbatches
 from nanopack.parallel import all_reduce_sum, print0, sync_gradients, teardown_distributed
 from nanopack.run import clip_grad_norm, lr_at, set_lr, start_run
+from nanopack.teacher import load_teacher
 from nanopack.startup import (data_summary, initial_weights, load_model, load_splits,
                               load_tokenizer, lora_settings, param_groups, restore)
 
@@ -60,10 +61,19 @@ eval_interval = 275
 eval_examples = 200  # built-in task: held-out prompts answered greedily for accuracy
 val_fraction = 0.01  # records only: the share of lines held out for val loss
 wandb_run_name = "sft"
+# logit distillation (docs/distill.md): a Hugging Face folder or hub name, the student's vocabulary
+teacher = None
+distill_beta = 0.5  # generalized JSD: 0 KL(teacher || student), 1 KL(student || teacher), between
+distill_temperature = 1.0  # both models' logits are divided by it in the JSD (not in the NLL)
+distill_weight = 0.5  # each trained token's loss: (1 - distill_weight) NLL + distill_weight JSD
 # a pretrained init_from (its own tokenizer) gets these for keys not set: AdamW at ~1e-5-2e-5,
 # cosine decay, as the published SFT recipes for 0.1-8B models (Tulu 3, Zephyr, SmolLM2)
 config = configure(globals(), machinery=keys,
-                   rules=dict(keys.RULES, reasoning_turns=("conversation", "each")),
+                   rules=dict(keys.RULES, reasoning_turns=("conversation", "each"),
+                              distill_beta="[0, 1]", distill_temperature="(0, inf)",
+                              distill_weight="[0, 1]"),
+                   read_by={key: ("teacher", None, "only logit distillation reads it")
+                            for key in ("distill_beta", "distill_temperature", "distill_weight")},
                    finetune=dict(learning_rate=2e-5, min_lr=2e-6, warmup_iters=20,
                                  weight_decay=0.0, max_iters=0, epochs=2.0))
 # -----------------------------------------------------------------------------
@@ -77,6 +87,8 @@ start, model_config = initial_weights(config, tok, run.resumed)
 data_dir, train_data, val_data = load_splits(config, run, tok, model_config, "sft")
 # LoRA; DDP/FSDP2; compile
 model, raw_model = load_model(config, run, model_config, start)
+# frozen, beside the student, sharded like it
+teacher_model = load_teacher(run, teacher, model_config) if teacher else None
 device, world_size = run.device, run.world_size
 optimizer = torch.optim.AdamW(param_groups(raw_model, weight_decay), lr=learning_rate,
                               betas=(0.9, 0.95), fused=device.type == "cuda")
@@ -95,7 +107,8 @@ logger = MetricsLogger(out_dir, config["wandb_log"], config["wandb_project"], wa
 
 
 def microbatch_loss(mb, normaliser):
-    """-> (its share of the step loss, to backpropagate; its summed token loss, for the log).
+    """-> (its share of the step loss, to backpropagate; its summed token loss, for the log; its
+    summed JSD to the teacher, 0 without one).
     The share is the summed (weighted) token loss / the step's global normaliser, times world_size:
     DDP and FSDP average gradients over ranks and we want their sum."""
     weights = None
@@ -105,8 +118,13 @@ def microbatch_loss(mb, normaliser):
         # + 1: a filler's slot
         weights = 1.0 / torch.cat([per_seq, per_seq.new_ones(1)])[mb.seq_ids]
     with run.autocast:
-        loss_sum, _ = model(**mb.inputs(), loss_weights=weights)
-    return loss_sum * world_size / normaliser, loss_sum.detach()
+        if teacher_model is None:
+            loss_sum, jsd_sum = model(**mb.inputs(), loss_weights=weights)[0], 0.0
+        else:
+            head = teacher_model.distill_head(mb, distill_beta, distill_temperature,
+                                              distill_weight, weights)
+            loss_sum, (_, jsd_sum) = model(**mb.inputs(), head=head)
+    return loss_sum * world_size / normaliser, loss_sum.detach(), jsd_sum
 
 
 @torch.no_grad()
@@ -155,8 +173,8 @@ if loader.prefix is not None:
 timer = Timer(device)
 # tokens, padding, FLOPs since the last log line
 meter = Throughput(raw_model, device, world_size)
-# summed (weighted) token loss since the last log line
-loss_acc = torch.zeros((), device=device, dtype=torch.float64)
+# summed (weighted) token loss and JSD to the teacher since the last log line
+loss_acc, jsd_acc = (torch.zeros((), device=device, dtype=torch.float64) for _ in range(2))
 # loss_acc's divisor: target tokens, or examples with loss_weighting='sequence'
 normaliser_window = 0
 # the window's tokens laid out whole (prefix sharing computes fewer)
@@ -172,15 +190,16 @@ while iter_num < max_iters:
     mbs = [mb.to(device) for mb in step.microbatches]
     meter.count(step.microbatches, data_time=time.perf_counter() - t0)
     unshared_window += step.num_tokens_unshared
-    step_loss, step_loss_sum = (torch.zeros((), device=device, dtype=torch.float64)
-                                for _ in range(2))
+    step_loss, step_loss_sum, step_jsd = (torch.zeros((), device=device, dtype=torch.float64)
+                                          for _ in range(3))
     for i, mb in enumerate(mbs):
         with sync_gradients(model, enabled=i == len(mbs) - 1):
-            loss, loss_sum = microbatch_loss(mb, normaliser)
+            loss, loss_sum, jsd_sum = microbatch_loss(mb, normaliser)
             loss.backward()
         # this rank's part of the step's loss
         step_loss += loss.detach() / world_size
         step_loss_sum += loss_sum
+        step_jsd += jsd_sum
     grad_norm = clip_grad_norm(model, grad_clip)
     # finite on every rank? a stop signal?
     update, stopping = run.guard.check(model, step_loss, grad_norm, iter_num + 1)
@@ -188,6 +207,7 @@ while iter_num < max_iters:
     if update:
         optimizer.step()
         loss_acc += step_loss_sum
+        jsd_acc += step_jsd
         normaliser_window += normaliser
     optimizer.zero_grad(set_to_none=True)
     iter_num += 1
@@ -197,19 +217,26 @@ while iter_num < max_iters:
     if iter_num % log_interval == 0 or last or stopping:
         elapsed, eval_seconds = timer.lap() - eval_seconds, 0.0
         # summed over ranks: normaliser_window is already global
-        perf, (loss_total,) = meter.read(elapsed, iter_num - last_log_iter, [loss_acc.item()])
+        perf, (loss_total, jsd_total) = meter.read(elapsed, iter_num - last_log_iter,
+                                                   [loss_acc.item(), jsd_acc.item()])
         eta = (time.perf_counter() - t_start) / (iter_num - start_iter) * (max_iters - iter_num)
-        loss = loss_total / normaliser_window if normaliser_window else float("nan")
-        metrics = dict(iter=iter_num, loss=loss, lr=lr,
+        loss, jsd = (x / normaliser_window if normaliser_window else float("nan")
+                     for x in (loss_total, jsd_total))
+        # the mean JSD per trained token (per example's token share with loss_weighting='sequence')
+        distill = dict(distill_loss=jsd) if teacher else {}
+        metrics = dict(iter=iter_num, loss=loss, lr=lr, **distill,
                        grad_norm=grad_norm.item(), skipped_steps=run.guard.skipped_steps,
                        tokens_unshared=unshared_window / (iter_num - last_log_iter), **perf)
         shared = f" | tokens {perf['tokens']:,.0f} (unshared {metrics['tokens_unshared']:,.0f})" * (
             loader.prefix is not None)
-        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f} | lr {lr:.2e} | "
+        distill_line = f" | distill {jsd:.4f}" * bool(teacher)
+        print0(f"iter {iter_num}/{max_iters} | loss {metrics['loss']:.4f}{distill_line} | "
+               f"lr {lr:.2e} | "
                f"grad norm {metrics['grad_norm']:.2f} | {meter.line(metrics)}{shared} | "
                f"eta {format_eta(eta)}")
         logger.log(metrics)
         loss_acc.zero_()
+        jsd_acc.zero_()
         last_log_iter, normaliser_window, unshared_window = iter_num, 0, 0
     if (eval_interval and iter_num % eval_interval == 0) or last:
         t_eval = time.perf_counter()

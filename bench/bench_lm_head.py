@@ -45,6 +45,13 @@ def run_one(method, T, d, V, device, dtype, iters):
         h.grad = w.grad = None
         return loss.detach()
 
+    return measure(step, device, iters, rss0)
+
+
+def measure(step, device, iters, rss0):
+    """step() -> its loss; the peak memory of the first call and the median time of `iters` more -> dict(loss,
+    peak_gib, ms). rss0: the process's peak RSS in GiB before the inputs were made (CPU)."""
+    import torch
     if device == "cuda":
         torch.cuda.synchronize()
         base = torch.cuda.memory_allocated()

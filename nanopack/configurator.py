@@ -82,7 +82,8 @@ def configure(script, argv=None, finetune=None, rules=None, presets=None, read_b
     -> the checked values, the machinery module's keys among them. finetune: values for keys argv
     does not set when starting from a pretrained model; presets: {key: {value: {key: default}}},
     the defaults a key's value names (train_rl.py's loss) for keys argv does not set."""
-    # read_by: {key: (other key, its values that read key, a hint)}: key set with another, an error
+    # read_by: {key: (other key, its values that read key (None: any but None), a hint)}: key set
+    # with another, an error
     argv = sys.argv[1:] if argv is None else argv
     # the script's own keys first; a key the script declares wins over the machinery's
     config = dict(script, **{k: v for k, v in declared(machinery).items() if k not in script})
@@ -146,7 +147,11 @@ def set_defaults(config, values, given, defaults):
 def check_read(values, given, read_by):
     """A key set explicitly that the run does not read changes nothing: the user meant something."""
     for key, (other, readers, hint) in read_by.items():
-        if key in given and values[other] not in readers:
+        # readers None: any value of other but None
+        if key in given and readers is None and values[other] is None:
+            raise ConfigError(f"{key}={values[key]!r} does nothing without {other}: {hint}; set "
+                              f"{other}, or drop {key}")
+        if key in given and readers is not None and values[other] not in readers:
             names = ", ".join(map(repr, readers[:-1])) + " or " * (len(readers) > 1)
             hint = f" ({hint})" if hint else ""
             raise ConfigError(f"{key}={values[key]!r} does nothing with {other}={values[other]!r}: "

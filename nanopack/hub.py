@@ -16,8 +16,8 @@ import re
 from data.records import DATA_EXTENSIONS as READABLE, split_name
 from nanopack.parallel import fail, print0
 
-# config keys that may name a model repo (sample.py's model)
-MODEL_KEYS = ("init_from", "tokenizer", "model")
+# config keys that may name a model repo (sample.py's model, a distillation teacher)
+MODEL_KEYS = ("init_from", "tokenizer", "model", "teacher")
 # ... a dataset repo, and the key naming its split
 DATA_KEYS = {"data": "data_split", "val_data": "val_split"}
 CONFIG_FILES = ("config.json", "generation_config.json")

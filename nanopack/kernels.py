@@ -5,7 +5,10 @@ The fast paths, each tested against a reference (tests/test_rope.py, tests/test_
   chunked_cross_entropy  the LM head + loss over chunks of tokens: the (T, vocab) logits never exist
   chunked_logprobs       the same for per-token log-probs (DPO), the backward recomputing each
                          chunk
+  chunked_distill        the NLL mixed with a generalized JSD to a teacher, through both models'
+                         LM heads chunk by chunk: neither (T, vocab) logits ever exists
 """
+import math
 import os
 
 import numpy as np
@@ -255,3 +258,96 @@ def chunked_logprobs(h, w, targets, vocab_size, temperature=1.0):
     """h: (T, d), w: (Vp, d), targets: (T,) -> (T,) float32 log p(target), 0 where the target is
     -100; p = softmax(h @ w^T / temperature)."""
     return ChunkedLogprobs.apply(h, w, targets, vocab_size, temperature)
+
+
+def _jsd_rows(s, t, beta):
+    """Student and teacher log-probs (C, V) -> the generalized JSD of each row (C,) and its gradient
+    with respect to the student's logits / temperature (C, V). beta: 0 KL(teacher || student), 1
+    KL(student || teacher), between beta KL(t || m) + (1 - beta) KL(s || m), m = (1 - beta) p_s +
+    beta p_t (TRL's generalized_jsd_loss)."""
+    ps = s.exp()
+    if beta == 0:
+        pt = t.exp()
+        return (pt * (t - s)).sum(1), ps - pt
+    if beta == 1:
+        diff = s - t
+        kl = (ps * diff).sum(1)
+        return kl, ps * (diff - kl[:, None])
+    m = torch.logaddexp(s + math.log1p(-beta), t + math.log(beta))
+    jsd = beta * (t.exp() * (t - m)).sum(1) + (1 - beta) * (ps * (s - m)).sum(1)
+    # d jsd / d s = (1 - beta) p_s (s - m); through the log-softmax: g - p_s sum(g)
+    g = (1 - beta) * ps * (s - m)
+    return jsd, g - ps * g.sum(1, keepdim=True)
+
+
+# the JSD's chunk: ~8 (chunk, vocab) float32 buffers at once, 512 x 128k x 4 bytes x 8 = 2 GiB
+DISTILL_CHUNK = 512
+
+
+def _distill_chunk(z, zt, targets, beta, temperature, weight):
+    """A chunk's student and teacher logits (C, V) -> (per-row NLL, JSD (C,), the gradient of (1 -
+    weight) NLL + weight JSD with respect to the student's logits (C, V))."""
+    logp = torch.log_softmax(z, dim=-1)
+    rows = torch.arange(len(targets), device=z.device)
+    nll = -logp[rows, targets]
+    s = logp if temperature == 1 else torch.log_softmax(z / temperature, dim=-1)
+    jsd, g_jsd = _jsd_rows(s, torch.log_softmax(zt / temperature, dim=-1), beta)
+    del s
+    g = logp.exp_()
+    g[rows, targets] -= 1.0
+    # d(z / T) = dz / T
+    return nll, jsd, g.mul_(1 - weight).add_(g_jsd, alpha=weight / temperature)
+
+
+class ChunkedDistill(torch.autograd.Function):
+    """sum_t scale_t ((1 - weight) NLL_t + weight JSD_t) through the student's head (h, w) and the
+    teacher's (h_t, w_t), its gradients computed in the forward: the teacher's gathered head is
+    needed only here. Also returns the unscaled-by-weight sums (NLL, JSD), for the log."""
+
+    @staticmethod
+    def forward(ctx, h, w, h_t, w_t, targets, vocab_size, beta, temperature, weight, scales):
+        dtype = _compute_dtype(h)
+        # float32 at least: float64 inputs (the tests) stay float64
+        acc = torch.promote_types(dtype, torch.float32)
+        need_w = w.requires_grad
+        with torch.no_grad(), torch.autocast(h.device.type, enabled=False):
+            idx, hs, wc, ts = _select(h, w, targets, dtype)
+            hts, wt = h_t.index_select(0, idx).to(dtype), w_t[:vocab_size].to(dtype)
+            sc = None if scales is None else scales.index_select(0, idx).to(acc)
+            sums = torch.zeros(3, device=h.device, dtype=acc)
+            grad_hs = torch.empty_like(hs)
+            grad_w = torch.zeros(w.shape, device=w.device, dtype=acc) if need_w else None
+            for s in range(0, hs.shape[0], DISTILL_CHUNK):
+                hc, tc = hs[s:s + DISTILL_CHUNK], ts[s:s + DISTILL_CHUNK]
+                z = (hc @ wc.t()).to(acc)[:, :vocab_size]
+                zt = (hts[s:s + DISTILL_CHUNK] @ wt.t()).to(acc)
+                nll, jsd, g = _distill_chunk(z, zt, tc, beta, temperature, weight)
+                del z, zt
+                scale = None if sc is None else sc[s:s + DISTILL_CHUNK]
+                if scale is not None:
+                    nll, jsd, g = nll * scale, jsd * scale, g.mul_(scale[:, None])
+                sums += torch.stack([(1 - weight) * nll.sum() + weight * jsd.sum(), nll.sum(),
+                                     jsd.sum()])
+                g = g.to(dtype)
+                grad_hs[s:s + DISTILL_CHUNK] = g @ wc[:vocab_size]
+                if need_w:
+                    grad_w[:vocab_size] += (g.t() @ hc).to(acc)
+            grad_h = torch.zeros_like(h).index_copy_(0, idx, grad_hs.to(h.dtype))
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(w.dtype))
+        loss, stats = sums[0].clone(), sums[1:].clone()
+        ctx.mark_non_differentiable(stats)
+        return loss, stats
+
+    @staticmethod
+    def backward(ctx, grad_loss, _):
+        grad_h, grad_w = ctx.saved_tensors
+        grad_w = None if grad_w is None else grad_w * grad_loss
+        return grad_h * grad_loss, grad_w, *[None] * 8
+
+
+def chunked_distill(h, w, targets, vocab_size, h_t, w_t, beta, temperature, weight, scales=None):
+    """Student h: (T, d), w: (Vp, d); teacher h_t: (T, d_t), w_t: (>= V, d_t); targets (T,) with
+    -100 ignored -> (sum_t scale_t ((1 - weight) NLL_t + weight JSD_t), (NLL sum, JSD sum)), the
+    JSD at `temperature` (beta: _jsd_rows), the NLL at 1."""
+    return ChunkedDistill.apply(h, w, h_t, w_t, targets, vocab_size, beta, temperature, weight,
+                                scales)

@@ -50,6 +50,15 @@ def split_logps(model, data, budget, device, autocast, prefix=None, group_size=2
     return sums
 
 
+def frozen_model(run, model_config, start):
+    """The weights of `start` beside the policy, frozen, in the run's dtype: FSDP2-sharded like the
+    policy (for the same precision); no gradients, so nothing for DDP to do."""
+    parallel = "fsdp" if run.config["parallel"] == "fsdp" else None
+    model, _ = startup.build_model(model_config, start, run.config["seed"], run.device, parallel,
+                                   run.world_size, getattr(torch, run.dtype))
+    return model.requires_grad_(False).eval()
+
+
 class Reference:
     """Log-prob sums looked up from (U, 2) tables (cached; zeros for simpo), or computed on the same
     micro-batch by `model` (live, or the policy under `switch`, adapters off)."""
@@ -77,11 +86,7 @@ class Reference:
         if mode == "adapters_off":
             return cls(model=model, autocast=run.autocast,
                        switch=lambda: adapters_disabled(raw_model))
-        # no gradients: nothing for DDP to do
-        parallel = "fsdp" if run.config["parallel"] == "fsdp" else None
-        copy, _ = startup.build_model(raw_model.config, start, run.config["seed"], run.device,
-                                      parallel, run.world_size, getattr(torch, run.dtype))
-        return cls(model=copy.requires_grad_(False).eval(), autocast=run.autocast)
+        return cls(model=frozen_model(run, raw_model.config, start), autocast=run.autocast)
 
     @classmethod
     def build(cls, mode, run, key, model, raw_model, tok, origin, splits, loader, val_prefix=None):

@@ -1,9 +1,10 @@
 r"""
 train_rl.py's rewards: `reward` names one function or several, comma-separated, each 'builtin' (the
-arithmetic task's exact answer), 'math' (math_reward: a final answer checked with math-verify) or
-'module:function'; the total is their sum weighted by `reward_weights`. A function is called
-f(prompt messages, reply text, **fields) with only the record fields its signature takes, and must
-return a finite number (a bool, a numpy scalar or a 0-d tensor too).
+arithmetic task's exact answer), 'math' (math_reward: a final answer checked with math-verify),
+'none' (0 for every reply: on-policy distillation from its teacher alone) or 'module:function';
+the total is their sum weighted by `reward_weights`. A function is called f(prompt messages, reply
+text, **fields) with only the record fields its signature takes, and must return a finite number
+(a bool, a numpy scalar or a 0-d tensor too).
 
     # records {"prompt": ..., "answer": "... #### 72"}
     python train_rl.py --data=gsm8k.jsonl --reward=math
@@ -25,7 +26,8 @@ import torch
 
 from nanopack.parallel import stop_signal
 
-BUILTIN = {"builtin": "data.arithmetic:reward", "math": "nanopack.rewards:math_reward"}
+BUILTIN = {"builtin": "data.arithmetic:reward", "math": "nanopack.rewards:math_reward",
+           "none": "nanopack.rewards:no_reward"}
 NUMBER_KINDS = "biuf"  # numpy dtype kinds of a reward: bool, signed and unsigned integers, floats
 
 
@@ -52,7 +54,7 @@ def load_function(name, key="reward"):
     module, colon, attr = (BUILTIN.get(name, name) if key == "reward" else name).partition(":")
     if not (module and colon and attr):
         raise RewardError(f"{key}={name!r}: name {what} as {form} (e.g. {example})"
-                          + ", or use 'builtin' or 'math'" * (key == "reward"))
+                          + ", or use 'builtin', 'math' or 'none'" * (key == "reward"))
     if name == "math" and key == "reward" and importlib.util.find_spec("math_verify") is None:
         raise RewardError("reward='math' checks answers with math-verify: pip install math-verify")
     if os.getcwd() not in sys.path:
@@ -239,3 +241,8 @@ def math_reward(prompt, reply, answer):
 
 # each record's answer, read before training
 math_reward.check = lambda answer, **_: parse_answer(str(answer))
+
+
+def no_reward(prompt, reply):
+    """reward='none': no reward, for a run that learns from a teacher alone."""
+    return 0.0

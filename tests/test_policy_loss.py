@@ -227,6 +227,9 @@ def test_help_prints_the_presets_tested_here():
         name, _, keys = line.strip().partition(": ")
         printed[name] = dict(k[2:].split("=", 1) for k in keys.split())
     assert printed.pop("online_dpo") == dict(mask_truncated="False", dynamic_sampling="False")
+    # on-policy distillation (tests/test_distill.py): GRPO's knobs, every token counted, every group trained
+    distill = dict(GRPO, loss_aggregation="token_mean", dynamic_sampling=False)
+    assert printed.pop("distill") == {k: repr(v) for k, v in distill.items()}
     assert printed == {name: {k: repr(v) for k, v in knobs.items()} for name, (knobs, _) in PRESETS.items()}
     default = dict(line[4:].split("  #")[0].split("=", 1) for line in out.stdout.splitlines() if line.startswith("  --"))
     assert default["loss"] == "'dapo'"  # the block's values are the default preset's (TRL's default loss_type)
