@@ -120,8 +120,8 @@ def table(f, seconds):
                 "max_new_tokens), not with microbatch_tokens"] if f["peak_phase"] == "generation"
                else []),
              f"per step: {f['tokens_per_step']:,} tokens, {f['flops_per_step']:.3e} model FLOPs | "
-             f"world size {f['world_size']} | planned in {seconds:.1f}s: "
-             f"{len(f['plan_seconds'])} fake steps of "
+             f"world size {f['world_size']} | planned in {seconds:.1f}s",
+             f"{len(f['plan_seconds'])} fake steps (the plan and its search) of "
              f"{', '.join(f'{s:.1f}' for s in f['plan_seconds'])} s"]
     return "\n".join(rows)
 
