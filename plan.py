@@ -29,6 +29,7 @@ import time
 from contextlib import redirect_stdout
 from unittest import mock
 
+from nanopack import plan_search
 from nanopack.fake_step import config_keys, plan_step
 
 GIB = 2 ** 30
@@ -53,67 +54,40 @@ def figures(script, args, gpus, gpu_memory, device):
     by = {k: v / GIB for k, v in r["by_category"].items()}
     if device == "cuda":
         by["allowance"] = ALLOWANCE_GIB + FRAGMENTATION * sum(by.values())
-    peak = sum(by.values())
+    peak, cp = sum(by.values()), r["config"].get("context_parallel", 1)
     return dict(world_size=gpus, gpu_memory_gib=gpu_memory, peak_gib=peak, peak_phase=r["phase"],
                 fits=peak <= gpu_memory, by_category_gib=by,
                 tokens_per_step=int(r["tokens"]) * gpus,
                 flops_per_step=r["flops"] * gpus,
                 microbatch_tokens=r["config"]["microbatch_tokens"],
                 whole_step_tokens=r["whole_step_tokens"],
-                least_microbatch_tokens=-(-r["longest_unit"]
-                                          // r["config"].get("context_parallel", 1)))
+                # the search's stairs, on the budget's scale (a CP group's tokens over its ranks)
+                filled_tokens=r["filled"] / cp, unit_tokens=r["unit"] / cp,
+                least_microbatch_tokens=-(-r["longest_unit"] // cp))
 
 
-def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=256):
+def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=256,
+                          search=plan_search.fit_and_confirm):
     """-> (the largest multiple of `step` tokens whose plan fits (0: none), False), or (the budget
     from which a rank's whole step is one micro-batch, True) where that fits: any larger plans
-    alike. The peak grows about linearly with the budget, so the line through the last two plans
-    guesses where it crosses gpu_memory; each guess narrows [fits, does not fit] to one step: 3-5
-    plans on a line, bisection's count on a staircase (whole sequences a micro-batch)."""
+    alike; and the seconds of each plan it made. Never a budget under the longest example's (its
+    run stops at load; absent data: a max_len example's). search: fit_and_confirm (a line through
+    two plans, its prediction confirmed by two more) or bisection (nanopack/plan_search.py)."""
+    seconds = []
+
     def plan_at(n):
         progress(f"plan: microbatch_tokens={n * step:,}?")
+        t0 = time.perf_counter()
         f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device)
-        return f["peak_gib"], f["fits"], f["whole_step_tokens"]
-    # no budget below the longest example's (its run stops at load; absent data: a max_len
-    # example's), in steps
+        seconds.append(time.perf_counter() - t0)
+        return f
     floor = max(1, -(-first["least_microbatch_tokens"] // step))
     n0 = max(floor, first["microbatch_tokens"] // step)
-    if n0 * step <= first["microbatch_tokens"]:
-        peak, fits, whole = first["peak_gib"], first["fits"], first["whole_step_tokens"]
-    else:
-        peak, fits, whole = plan_at(n0)
-    # lo: the largest budget known to fit, else below floor
-    lo, hi = (n0, None) if fits else (floor - 1, n0)
-    peaks, sides, plateau = {n0: peak}, [], False  # budget (in steps) -> its peak; each guess fit?
-    wholes = {n0: whole}  # budget (in steps) -> the budget holding its step in one micro-batch
-    while hi is None or hi - lo > 1:
-        (na, pa), (nb, pb) = ((None, None), (None, None))
-        if len(peaks) > 1:
-            (na, pa), (nb, pb) = sorted(peaks.items())[-2:]
-        # the same step at two budgets (sequences no longer with more), one micro-batch at the
-        # larger: from there on all alike
-        if hi is None and na and wholes[na] == wholes[nb] <= nb * step:
-            return wholes[nb], True
-        if hi is None:
-            # grow: where the line through the two largest crosses, at least doubling the last
-            # gain, at most to where lo's whole step is one micro-batch
-            line = int(nb + (gpu_memory - pb) * (nb - na) / (pb - pa)) if na and pb > pa else 0
-            guess = max(line, 2 * lo - (na if sides[-1:] == [True] and na else 0), lo + 1)
-            whole = -(-wholes[lo] // step)
-            guess = min(guess, whole) if whole > lo else guess
-        elif (lo in peaks and peaks[hi] > peaks[lo] and not plateau
-              and sides[-2:] not in ([True, True], [False, False])):
-            # the bracket's line
-            guess = lo + int((gpu_memory - peaks[lo]) * (hi - lo) / (peaks[hi] - peaks[lo]))
-        else:  # bisection: no line yet, or it missed (a staircase: whole sequences per micro-batch)
-            guess = (lo + hi) // 2
-        guess = max(lo + 1, guess if hi is None else min(guess, hi - 1))
-        peaks[guess], fits, wholes[guess] = plan_at(guess)
-        # the line fell short on lo's stair: it cannot see its end
-        plateau = fits and peaks[guess] == peaks.get(lo)
-        sides.append(fits)
-        lo, hi = (guess, hi) if fits else (lo, guess)
-    return (lo * step if lo >= floor else 0), False
+    # the first plan stands for n0 where its budget is n0's (or under it, holding the same step)
+    on_grid = n0 * step == first["microbatch_tokens"] or (n0 * step < first["microbatch_tokens"]
+                                                          and first["fits"])
+    bracket = plan_search.Bracket(plan_at, floor, step, n0, first if on_grid else plan_at(n0))
+    return (*search(bracket, gpu_memory), seconds)
 
 
 def progress(line):
@@ -146,7 +120,9 @@ def table(f, seconds):
                 "max_new_tokens), not with microbatch_tokens"] if f["peak_phase"] == "generation"
                else []),
              f"per step: {f['tokens_per_step']:,} tokens, {f['flops_per_step']:.3e} model FLOPs | "
-             f"world size {f['world_size']} | planned in {seconds:.1f}s"]
+             f"world size {f['world_size']} | planned in {seconds:.1f}s",
+             f"{len(f['plan_seconds'])} fake steps (the plan and its search) of "
+             f"{', '.join(f'{s:.1f}' for s in f['plan_seconds'])} s"]
     return "\n".join(rows)
 
 
@@ -217,14 +193,17 @@ def main(argv):
     progress(f"plan: {script} on {opts['gpus']} x {opts['gpu_memory']:g} GiB ({opts['device']}), "
              "two steps on fake tensors")
     f = figures(*plan_args)
-    f["max_microbatch_tokens"], f["any_larger_fits"] = max_microbatch_tokens(*plan_args, f)
+    first_s = time.perf_counter() - t0
+    f["max_microbatch_tokens"], f["any_larger_fits"], searched = max_microbatch_tokens(
+        *plan_args, f)
+    f["plan_seconds"] = [round(s, 1) for s in [first_s, *searched]]
     f["seconds"] = time.perf_counter() - t0
     print(table(f, f["seconds"]))
     if opts["json"]:
         with open(opts["json"], "w") as out:
             keys = ("world_size", "gpu_memory_gib", "peak_gib", "peak_phase", "fits",
                     "max_microbatch_tokens", "any_larger_fits", "by_category_gib",
-                    "tokens_per_step", "flops_per_step", "seconds")
+                    "tokens_per_step", "flops_per_step", "seconds", "plan_seconds")
             json.dump({k: f[k] for k in keys}, out, indent=1)
 
 

@@ -314,9 +314,15 @@ def step_patches(state, real, fake):
             c, group = state["config"], 2 if state.get("kind") == "dpo" else 1
             state["longest_unit"] = (min(c["max_len"], state["max_seq_len"]) * group
                                      if "worst_case_units" in state else int(lengths.max()))
+            # worst-case units at full length: micro-batches hold whole ones, the search's stairs
+            full = "worst_case_units" in state and step.max() == state["longest_unit"]
+            state["unit"] = int(step.max()) if full else 0
+            state["filled"] = max((int(lengths[b].sum()) for b in bins), default=0) if full else 0
         if len(bins) > 2:
             state["scale"], bins = sum(map(len, bins)) / sum(map(len, bins[:2])), bins[:2]
-        return bins
+        # the first step only allocates the optimizer state: one micro-batch does (the real run,
+        # which the tests compare against, keeps its two)
+        return bins[:1] if state["steps"] == 1 and fake else bins
 
     def set_lr(optimizer, lr):
         state["steps"] += 1
@@ -437,7 +443,8 @@ def report(script, state):
     return dict(by_category=by_category, phase=state["tracker"].phase,
                 tokens=state["tokens"] * scale, flops=state["flops"] * scale,
                 config=state["config"], whole_step_tokens=state["whole_step_tokens"],
-                longest_unit=state.get("longest_unit", 0))
+                longest_unit=state.get("longest_unit", 0), unit=state.get("unit", 0),
+                filled=state.get("filled", 0))
 
 
 def distinct_reward(messages, reply, **fields):
