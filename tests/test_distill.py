@@ -64,6 +64,27 @@ def test_chunked_jsd_equals_trl_on_full_logits(monkeypatch, beta, temperature, d
     torch.testing.assert_close(nll, nll_ref, **TOLERANCES[dtype])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chunked_distill_under_bf16_autocast_on_cuda(monkeypatch):
+    """The GPU's path: float32 weights under bf16 autocast, as a training step holds them: the loss and gradients
+    near float64 on the same values (bf16 matmuls round logits to ~3 significant digits: a few % of the norm)."""
+    monkeypatch.setattr(kernels, "DISTILL_CHUNK", 8)
+    h, w, h_t, w_t, targets, vocab = student_and_teacher(torch.float32)
+    hc, wc = (x.detach().cuda().requires_grad_() for x in (h, w))
+    with torch.autocast("cuda", torch.bfloat16):
+        loss, (nll, jsd) = kernels.chunked_distill(hc, wc, targets.cuda(), vocab, h_t.cuda(), w_t.cuda(), 0.5, 2.0,
+                                                   0.5)
+    grads = torch.autograd.grad(loss, (hc, wc))
+    h64, w64 = (x.detach().double().requires_grad_() for x in (h, w))
+    ref, (ref_nll, ref_jsd) = kernels.chunked_distill(h64, w64, targets, vocab, h_t.double(), w_t.double(), 0.5,
+                                                      2.0, 0.5)
+    assert loss.dtype == torch.float32 and bool(torch.isfinite(loss))
+    for ours, theirs in ((loss, ref), (nll, ref_nll), (jsd, ref_jsd)):
+        torch.testing.assert_close(ours.double().cpu(), theirs.detach(), rtol=3e-2, atol=1e-2)
+    for ours, theirs in zip(grads, torch.autograd.grad(ref, (h64, w64))):
+        assert ((ours.double().cpu() - theirs).norm() / theirs.norm()).item() < 5e-2
+
+
 def test_the_mix_weighs_nll_and_jsd_per_token(monkeypatch):
     """(1 - weight) NLL + weight JSD, each token scaled: the loss and gradients of the two terms written apart."""
     monkeypatch.setattr(kernels, "DISTILL_CHUNK", 8)
