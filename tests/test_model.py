@@ -346,8 +346,10 @@ def check_packed_equals_alone(model, device, dtype, atol):
     g = torch.randn_like(logits)
     grads_packed = torch.autograd.grad((logits * g).sum(), list(model.parameters()))
     grads_alone = torch.autograd.grad((alone * g).sum(), list(model.parameters()))
+    # bf16 (H200, 2026-11-28): the two paths sum a gradient in different orders, an ulp apart (2^-7 relative)
+    rtol = 1e-3 if dtype == torch.float32 else 2 * 2 ** -7
     for a, b in zip(grads_packed, grads_alone):
-        torch.testing.assert_close(a, b, atol=atol * 10, rtol=1e-3)
+        torch.testing.assert_close(a, b, atol=atol * 10, rtol=rtol)
 
 
 @pytest.mark.slow
