@@ -118,6 +118,11 @@ class PhaseTracker:
             hook = getattr(self.tracker, name)
             setattr(self.tracker, name, lambda module, *a, hook=hook: None if id(module) in policy
                     and not torch.is_grad_enabled() else hook(module, *a))
+        # the end of backward closes every module that ran without grad, a frozen teacher's too,
+        # whose stats the student's forward reset after it ran: nothing to close (was a KeyError)
+        post_bw = self.tracker._post_bw_hook
+        self.tracker._post_bw_hook = lambda module, *a: (
+            post_bw(module, *a) if module in self.tracker.memory_tracking else None)
 
     def __enter__(self):
         self.tracker.__enter__()
@@ -342,11 +347,12 @@ def step_patches(state, real, fake):
         if state["steps"] == 2:
             state["tokens"], state["flops"] = meter.tokens - tokens, meter.flops - flops
 
-    # a live reference's frozen copy: its parameters are its own category
-    def reference_model(cls, mode, *a):
-        ref = real["of_model"](cls, mode, *a)
-        state["reference"] = ref.model if mode == "live" else None
-        return ref
+    # a frozen copy beside the policy (a live reference, a distillation teacher): its parameters
+    # are the 'reference' category
+    def frozen_model(*a, **k):
+        model = real["frozen_model"](*a, **k)
+        state.setdefault("frozen", []).append(model)
+        return model
 
     # cached log-probs are computed before training, never seen by the step
     def reference_build(cls, mode, *a, **k):
@@ -354,7 +360,7 @@ def step_patches(state, real, fake):
 
     return [(packing, "rank_bins", rank_bins), (run_start, "set_lr", set_lr),
             (Throughput, "count", count),
-            (reference.Reference, "of_model", classmethod(reference_model)),
+            (reference, "frozen_model", frozen_model),
             (reference.Reference, "build", classmethod(reference_build))]
 
 
@@ -373,7 +379,7 @@ def patch_table(state, gpus, fake):
                 wrap_model=startup.wrap_model, start_run=run_start.start_run,
                 load_model=startup.load_model, set_lr=run_start.set_lr, count=Throughput.count,
                 read_prompts=dataset.read_prompts, generate=generation.generate,
-                rank_bins=packing.rank_bins, of_model=reference.Reference.of_model.__func__,
+                rank_bins=packing.rank_bins, frozen_model=reference.frozen_model,
                 build=reference.Reference.build.__func__)
     patches = fake_process_group(gpus, fake) + startup_patches(state, real, gpus, fake)
     patches += rl_patches(state, real, fake) + step_patches(state, real, fake)
@@ -433,9 +439,10 @@ def report(script, state):
     if state["steps"] < 3:
         raise SystemExit(f"plan: {script} ended before its second step finished")
     by_category = state["tracker"].peak()
-    if state.get("reference") is not None:
+    if state.get("frozen"):
         local = lambda p: p.to_local() if hasattr(p, "to_local") else p
-        moved = sum(local(p).untyped_storage().nbytes() for p in state["reference"].parameters())
+        moved = sum(local(p).untyped_storage().nbytes() for frozen in state["frozen"]
+                    for p in frozen.parameters())
         by_category["parameters"] -= moved
         by_category["reference"] += moved
     # a step cut to two micro-batches a rank counts as the whole step

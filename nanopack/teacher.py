@@ -11,7 +11,8 @@ import torch
 
 from nanopack import kernels
 from nanopack.parallel import fail
-from nanopack.reference import Reference, frozen_model
+from nanopack import reference
+from nanopack.reference import Reference
 from nanopack.startup import base_weights, initial_config
 
 
@@ -49,4 +50,4 @@ def load_teacher(run, name, student_config):
                          f"{student_config.vocab_size:,}: distillation compares their "
                          f"distributions token by token, so it needs a teacher with the student's "
                          f"tokenizer")
-    return Teacher(model=frozen_model(run, config, start), autocast=run.autocast)
+    return Teacher(model=reference.frozen_model(run, config, start), autocast=run.autocast)

@@ -27,15 +27,36 @@ def test_plan_equals_the_real_step(script, extra):
     """Same script, same data, same tracker: fake tensors have the real sizes, so state is exact. Activations may
     differ by a few small tensors (at most 1% or 64 KiB: measured 32-40 KiB, the size of one micro-batch's RoPE
     cos/sin gather, which the tracker sees on real tensors only)."""
-    fake, real = peak(script, TINY + extra), peak(script, TINY + extra, fake=False)
+    fake = assert_plan_equals_real(script, TINY + extra)
+    if "--reference=live" in extra:  # the frozen copy: as large as the policy's parameters, and its own category
+        assert fake["by_category"]["reference"] == fake["by_category"]["parameters"]
+
+
+@pytest.mark.slow
+def test_plan_with_a_teacher_equals_the_real_step(tmp_path):
+    """Logit distillation from a teacher twice the student's width: its frozen weights are the 'reference' category,
+    the rest as above (its forward and the chunked JSD among the activations and temporaries)."""
+    from model import PRESETS, Transformer, config_from_preset
+    from nanopack.hf import save_pretrained
+    from nanopack.tokenizer import get_tokenizer
+    vocab = max(PRESETS["tiny"]["vocab_size"], get_tokenizer("byte").vocab_size)
+    tiny = PRESETS["tiny"]
+    teacher = Transformer(config_from_preset("tiny", vocab_size=vocab, d_model=2 * tiny["d_model"]))
+    save_pretrained(teacher, str(tmp_path / "teacher"))
+    fake = assert_plan_equals_real("train_sft.py", TINY + [f"--teacher={tmp_path / 'teacher'}"])
+    assert fake["by_category"]["reference"] == sum(p.numel() * 4 for p in teacher.parameters()) > 0
+
+
+def assert_plan_equals_real(script, args):
+    """The plan of a step and the real step (CPU): the same figures -> the plan's."""
+    fake, real = peak(script, args), peak(script, args, fake=False)
     assert fake["phase"] == real["phase"]
     assert (fake["tokens"], fake["flops"]) == (real["tokens"], real["flops"])
     for k in EXACT:
         assert fake["by_category"][k] == real["by_category"][k], k
     a, b = fake["by_category"]["activations"], real["by_category"]["activations"]
     assert abs(a - b) <= max(0.01 * b, 64 * 1024), (a, b)
-    if "--reference=live" in extra:  # the frozen copy: as large as the policy's parameters, and its own category
-        assert fake["by_category"]["reference"] == fake["by_category"]["parameters"]
+    return fake
 
 
 @pytest.mark.slow
