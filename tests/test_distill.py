@@ -186,6 +186,16 @@ def test_logit_distillation_on_two_processes_equals_one(tmp_path, sft_data, teac
 
 
 @pytest.mark.slow
+def test_logit_distillation_under_context_parallelism_equals_one_process(tmp_path, sft_data, teacher, sft_baseline):
+    """cp=2: each rank holds half of every sequence, the teacher's forward and the JSD on the same half."""
+    out_dir = str(tmp_path / "cp")
+    sft(out_dir, sft_data, teacher, nproc=2, context_parallel=2, microbatch_tokens=512)
+    assert_same_sft_run(sft_baseline, out_dir)
+    for a, b in zip(step_metrics(sft_baseline), step_metrics(out_dir)):
+        assert a["distill_loss"] == pytest.approx(b["distill_loss"], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_a_lora_student_of_the_teacher_starts_at_jsd_0(tmp_path, sft_data, teacher):
     """The teacher is the student's base: the adapters start at 0, so the first step's JSD is 0 (float32 rounding of
     two equal log-softmaxes), and the adapters then move the student away from it."""
@@ -221,6 +231,15 @@ def rl_baseline(tmp_path_factory, teacher):
 def test_on_policy_distillation_on_two_processes_equals_one(tmp_path, teacher, rl_baseline, parallel):
     out_dir = str(tmp_path / parallel)
     rl(out_dir, teacher, nproc=2, parallel=parallel, microbatch_tokens=240)
+    assert_same_rl_run(rl_baseline, out_dir)
+    for a, b in zip(step_metrics(rl_baseline), step_metrics(out_dir)):
+        assert a["distill_loss"] == pytest.approx(b["distill_loss"], rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.slow
+def test_on_policy_distillation_under_context_parallelism_equals_one_process(tmp_path, teacher, rl_baseline):
+    out_dir = str(tmp_path / "cp")
+    rl(out_dir, teacher, nproc=2, context_parallel=2, microbatch_tokens=120)
     assert_same_rl_run(rl_baseline, out_dir)
     for a, b in zip(step_metrics(rl_baseline), step_metrics(out_dir)):
         assert a["distill_loss"] == pytest.approx(b["distill_loss"], rel=1e-5, abs=1e-7)
