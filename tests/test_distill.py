@@ -195,6 +195,31 @@ def test_logit_distillation_under_context_parallelism_equals_one_process(tmp_pat
         assert a["distill_loss"] == pytest.approx(b["distill_loss"], rel=1e-5)
 
 
+def stop_after_first_step(cmd, out_dir):
+    """Start a run, SIGTERM it once its first step is logged -> its stderr; it must stop with a checkpoint."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log, deadline = os.path.join(out_dir, "metrics.jsonl"), time.time() + 120
+    while not (os.path.exists(log) and os.path.getsize(log) > 0) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-2000:]
+    return stderr
+
+
+@pytest.mark.slow
+def test_logit_distillation_resumes_as_the_straight_run(tmp_path, sft_data, teacher, sft_baseline):
+    cut = str(tmp_path / "cut")
+    cfg = dict(teacher=teacher, distill_beta=0.5, distill_temperature=2.0, distill_weight=0.5, max_iters=3)
+    stop_after_first_step([sys.executable, "train_sft.py", *sft_args(cut, sft_data, **cfg)], cut)
+    assert len(step_metrics(cut)) < 3
+    run_script("train_sft.py", [f"--out_dir={cut}", "--init_from=resume"])
+    assert_same_sft_run(sft_baseline, cut)
+    for a, b in zip(step_metrics(sft_baseline), step_metrics(cut)):
+        assert a["distill_loss"] == pytest.approx(b["distill_loss"], rel=1e-5)
+
+
 @pytest.mark.slow
 def test_a_lora_student_of_the_teacher_starts_at_jsd_0(tmp_path, sft_data, teacher):
     """The teacher is the student's base: the adapters start at 0, so the first step's JSD is 0 (float32 rounding of
@@ -248,14 +273,7 @@ def test_on_policy_distillation_under_context_parallelism_equals_one_process(tmp
 @pytest.mark.slow
 def test_on_policy_distillation_resumes_as_the_straight_run(tmp_path, teacher, rl_baseline):
     cut = str(tmp_path / "cut")
-    proc = subprocess.Popen([sys.executable, "train_rl.py", *rl_cli(cut, teacher)], cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
-    log, deadline = os.path.join(cut, "metrics.jsonl"), time.time() + 120
-    while not (os.path.exists(log) and os.path.getsize(log) > 0) and time.time() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-2000:]
+    stop_after_first_step([sys.executable, "train_rl.py", *rl_cli(cut, teacher)], cut)
     assert len(step_metrics(cut)) < 3
     run_script("train_rl.py", [f"--out_dir={cut}", "--init_from=resume"])
     # the same samples, the same teacher, the same ops in the same order
