@@ -1,8 +1,10 @@
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -64,3 +66,17 @@ def checkpoint_weights(out_dir):
     """The model weights of a run's checkpoint (ckpt.pt and the DCP folder it names), as a state dict."""
     from nanopack.checkpoint import checkpoint_model
     return checkpoint_model(os.path.join(out_dir, "ckpt.pt"))[0].state_dict()
+
+
+def stop_after_first_step(cmd, out_dir):
+    """Start a run, SIGTERM it once its first step is logged -> its stdout; it must stop with a checkpoint (exit 143:
+    not done)."""
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    log, deadline = os.path.join(out_dir, "metrics.jsonl"), time.time() + 120
+    while not (os.path.exists(log) and os.path.getsize(log) > 0) and time.time() < deadline:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGTERM)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-2000:]
+    return stdout

@@ -6,16 +6,13 @@ on-policy): DDP x2 and FSDP2 x2 take one process's steps, a LoRA student, SIGTER
 tolerances as tests/test_train_sft.py's and test_train_rl.py's (float32, only the order of sums differs).
 """
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from nanopack import kernels
-from conftest import ROOT, builtin_data, run_script, step_metrics
+from conftest import builtin_data, run_script, step_metrics, stop_after_first_step
 from test_train_rl import REWARD, args as rl_args, assert_same_run as assert_same_rl_run
 from test_train_sft import assert_same_run as assert_same_sft_run, common_args as sft_args
 
@@ -193,19 +190,6 @@ def test_logit_distillation_under_context_parallelism_equals_one_process(tmp_pat
     assert_same_sft_run(sft_baseline, out_dir)
     for a, b in zip(step_metrics(sft_baseline), step_metrics(out_dir)):
         assert a["distill_loss"] == pytest.approx(b["distill_loss"], rel=1e-5)
-
-
-def stop_after_first_step(cmd, out_dir):
-    """Start a run, SIGTERM it once its first step is logged -> its stderr; it must stop with a checkpoint."""
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    log, deadline = os.path.join(out_dir, "metrics.jsonl"), time.time() + 120
-    while not (os.path.exists(log) and os.path.getsize(log) > 0) and time.time() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    _, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-2000:]
-    return stderr
 
 
 @pytest.mark.slow

@@ -11,10 +11,7 @@ replies; tolerances as in test_train_dpo.py (float32, only the order of sums dif
 """
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
@@ -22,7 +19,7 @@ import torch
 
 from nanopack import kernels
 import model as M
-from conftest import ROOT, as_args, checkpoint_weights, run_script, step_metrics
+from conftest import as_args, checkpoint_weights, run_script, step_metrics, stop_after_first_step
 from losses import dpo_loss, group_advantages, loss_weights, policy_loss
 from packing import group_data, make_batch, shared_prefixes
 from test_groups import MODELS, SHAPES, assert_close_runs, make_groups
@@ -199,15 +196,7 @@ def test_two_processes_equal_one(tmp_path, baseline, parallel):
 @pytest.mark.slow
 def test_sigterm_saves_and_resume_equals_the_straight_run(tmp_path, baseline):
     cut = str(tmp_path / "cut")
-    proc = subprocess.Popen([sys.executable, "train_rl.py", *args(cut, max_iters=3)], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"))
-    log, deadline = os.path.join(cut, "metrics.jsonl"), time.time() + 120
-    while not (os.path.exists(log) and os.path.getsize(log) > 0) and time.time() < deadline:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=120)
-    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in stderr, stderr[-2000:]  # 143: not done
+    stdout = stop_after_first_step([sys.executable, "train_rl.py", *args(cut, max_iters=3)], cut)
     assert "stopped by SIGTERM after iter" in stdout
     assert len(step_metrics(cut)) < 3
     run([f"--out_dir={cut}", "--init_from=resume"])
