@@ -208,7 +208,7 @@ BAD = [  # (script, arguments, what the one line must say)
      "(kl_coef is the KL weight here; beta is online DPO's)"),
     ("train_rl.py", "--init_from=scratch --loss=online_dpo --kl_coef=0.1",
      "config error: kl_coef=0.1 does nothing with loss='online_dpo': "
-     "only loss 'grpo', 'dapo', 'dr_grpo', 'gspo' or 'cispo' reads it"),
+     "only loss 'grpo', 'dapo', 'dr_grpo', 'gspo', 'cispo' or 'distill' reads it"),
 ]
 if not torch.cuda.is_available():
     BAD.append(("train_sft.py", "--device=cuda", "device='cuda'; this machine has no CUDA GPU"))
