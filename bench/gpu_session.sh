@@ -9,10 +9,10 @@
 #   6 lora    full vs LoRA vs QLoRA at the 1B shape (bench_lora.py); a QLoRA train_sft.py run, compiled
 # Logs in $OUT (7 files): session.log (each command's exit code and time, the figures, what did not run), one per step.
 # On the GPU, through the device tool, after `bash bench/gpu_wheels.sh` here (trl, datasets, torchao travel as wheels),
-# in two calls: the limits add up to ~760 s (2026-11-28, H200: cold imports, compiles and a 1B checkpoint took 2-3x
-# the limits first set), more than one call's 600 s:
-#   run(command="STEPS='1 2 3 4' bash bench/gpu_session.sh 560", carry=[".whl"], timeout_s=600)
-#   run(command="STEPS='5 6' bash bench/gpu_session.sh 300", carry=[".whl"], timeout_s=330)  # steps 4-6 read /tmp runs
+# in two calls: the limits add up to ~860 s (2026-11-28, H200: cold imports, compiles and a 1B checkpoint took 2-3x
+# the limits first set), more than one call's 600 s; the second session's calls took 394 s and 237 s:
+#   run(command="STEPS='1 2 3 4' bash bench/gpu_session.sh 480", carry=[".whl"], timeout_s=510)
+#   run(command="STEPS='5 6' bash bench/gpu_session.sh 330", carry=[".whl"], timeout_s=350)  # steps 4-6 read /tmp runs
 # (a fresh machine for the second call has no step 2/4 models: their runs start from scratch, as init() says)
 # Without CUDA the same commands run at toy sizes: the rehearsal (tests/test_bench.py runs it; a few minutes):
 #   OUT=/tmp/rehearsal bash bench/gpu_session.sh
@@ -99,8 +99,8 @@ step3() {
   figures 3_compile "^SFT|^matmul|^  |^\||^recompiled"
 }
 step4() {
-  run 4_dpo 125 $PY bench/bench_train.py --mode dpo --data ultrafeedback --size $SIZE --configs packed+shared,hf,trl \
-    --steps 2 --warmup 1 --batch_size 32 --timeout "$(lim 38)"
+  run 4_dpo 170 $PY bench/bench_train.py --mode dpo --data ultrafeedback --size $SIZE --configs packed+shared,hf,trl \
+    --steps 2 --warmup 1 --batch_size 32 --timeout "$(lim 55)"
   figures 4_dpo "^DPO|^matmul|^  |^\||^recompiled"
   for ref in cached live; do
     run 4_dpo 40 env TORCH_LOGS=recompiles $PY train_dpo.py --init_from="$(init "$R/sft/hf")" --out_dir="$R/dpo_$ref" \
@@ -121,7 +121,7 @@ EOF
 }
 step5() {  # 32 prompts x 8 replies of up to 20 tokens a step (the defaults); random 1B weights never stop early, and
   # all score 0: kl_coef > 0 trains every group anyway (with none, a group whose rewards are all equal is left out)
-  run 5_rl 90 $PY train_rl.py --init_from=scratch --preset=$SHAPE --out_dir="$R/rl_$SHAPE" --overwrite=True \
+  run 5_rl 130 $PY train_rl.py --init_from=scratch --preset=$SHAPE --out_dir="$R/rl_$SHAPE" --overwrite=True \
     --max_iters=2 --eval_examples=0 --compile=False --kl_coef=0.01
   rl_speed "$R/rl_$SHAPE" 8
   run 5_rl 45 env TORCH_LOGS=recompiles $PY train_rl.py --init_from="$(init "$R/dpo_cached/hf")" --out_dir="$R/rl" \
@@ -131,7 +131,7 @@ step5() {  # 32 prompts x 8 replies of up to 20 tokens a step (the defaults); ra
 }
 step6() {
   run 6_lora 45 $PY bench/bench_lora.py --shapes $SHAPE --tokens $TOKENS --steps 2
-  run 6_lora 45 env TORCH_LOGS=recompiles $PY train_sft.py --init_from="$(init "$R/sft/hf")" --out_dir="$R/qlora" \
+  run 6_lora 90 env TORCH_LOGS=recompiles $PY train_sft.py --init_from="$(init "$R/sft/hf")" --out_dir="$R/qlora" \
     --overwrite=True --lora_rank=16 --quantize_base=nf4 --eval_interval=0 "${SHORT[@]}"
   figures 6_lora "^[0-9]+ tokens|^\||^model:|^iter [0-9]+/|val |^done|Error|error:"
 }
