@@ -97,8 +97,10 @@ if __name__ == "__main__":
     def reply(messages):
         """-> [(text, whether it reached max_seq_len before it ended)], one per sample."""
         ids = tok.render_prompt(messages)
+        # each turn its own random stream: the chat's length is its key
         outs = generate(net, [ids], max_new_tokens, stop_ids=tok.stop_ids, num_samples=num_samples,
-                        temperature=temperature, top_k=top_k or None, top_p=top_p)
+                        temperature=temperature, top_k=top_k or None, top_p=top_p, seed=seed,
+                        keys=[len(messages)])
         return [(tok.decode_reply(out),
                  len(ids) + len(out) == positions and out[-1] not in tok.stop_ids)
                 for out in outs]

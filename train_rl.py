@@ -11,7 +11,7 @@ Each step samples k replies to each of `prompts_per_step` prompts (every prompt 
 scores them with `reward` (nanopack/rewards.py: 'module:function', called with the prompt, the
 reply and the record's other fields) and trains on them with each prompt computed once for its
 group. `loss` picks the objective: the GRPO family (losses.RL_PRESETS, as TRL's GRPOTrainer) or
-online DPO. Replies come from generators seeded by (seed, prompt position, reply): a step's samples
+online DPO. Each reply's random stream is keyed by (seed, prompt position, reply): a step's samples
 depend neither on the world size nor on a resume. docs/rl.md has the rest.
 """
 
@@ -204,13 +204,11 @@ def sample(first):
     mine = list(range(first + run.cp.data_rank, first + prompts_per_step, run.cp.data_size))
     n = len(train_prompts)
     prompts = [train_prompts[permutation(i // n)[i % n]] for i in mine]
-    gens = [torch.Generator(device).manual_seed(hash((config["seed"], i, j)) % 2**63)
-            for i in mine for j in range(k)]
     model.eval()
     with run.autocast:
         replies = generate(raw_model, [p[0] for p in prompts], max_new_tokens, tok.stop_ids,
-                           temperature, generator=gens, sync_ranks=sync_ranks, num_samples=k,
-                           top_p=top_p)
+                           temperature, seed=config["seed"], keys=mine, sync_ranks=sync_ranks,
+                           num_samples=k, top_p=top_p)
     model.train()
     t0 = time.perf_counter()
     scored = reward_fns.score(prompts, replies, k, tok.decode_reply) if first_in_cp else None

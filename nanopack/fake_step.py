@@ -293,8 +293,7 @@ def rl_patches(state, real, fake):
             stack.enter_context(mock.patch.object(generation, "sample", decoding.sample))
             if state["tracker"] is not None:
                 stack.enter_context(mock.patch.object(state["tracker"], "decoding", decoding))
-            replies = real["generate"](decoding, prompts, max_new_tokens, (), *args,
-                                       **{**kwargs, "generator": None})
+            replies = real["generate"](decoding, prompts, max_new_tokens, (), *args, **kwargs)
         stop = list(stop_ids)[:1] or [1]
         return [[1 + i % kwargs.get("num_samples", 1)] + [1] * (len(r) - 2) + stop[:len(r) - 1]
                 for i, r in enumerate(replies)]

@@ -37,7 +37,7 @@ class Decoding:
 
     def sample(self, logits, *args, **kwargs):
         if self.skipping:
-            return torch.ones(len(logits), dtype=torch.long)
+            return torch.ones(len(logits), dtype=torch.long), torch.zeros(len(logits))
         return REAL_SAMPLE(logits, *args, **kwargs)
 
     def cache_bytes(self):

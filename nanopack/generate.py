@@ -1,94 +1,150 @@
 """
-Generation with a KV cache on the packed stream: a batch of prompts is read once, in one packed
-prefill (however many replies each gets), then each new token is one decode step over the unfinished
-replies (no padding anywhere).
+Generation with a KV cache in slots: a batch of prompts is read once, in one packed prefill (however
+many replies each gets), each prompt's cache copied to its replies' slots, then each new token is
+one decode step over the unfinished replies (no padding anywhere). A reply that ends frees its slot
+for the next prompt waiting (continuous batching). Sampling is one vectorised draw for the batch,
+its noise a hash of (seed, prompt key, reply, token index): a reply's tokens do not depend on what
+else is in the batch, on the slot it ran in, on the world size or on a resume.
 """
+from dataclasses import dataclass, field
+
 import numpy as np
 import torch
 import torch.nn.functional as F
 
 from model import varlen_attention
 
+M32 = 0xFFFFFFFF
+
 
 class KVCache:
-    """Per layer a buffer (B, Hkv, capacity, D), row b holding sequence b's keys (values) at their
-    positions. Each forward calls begin() once, then each layer attend(): a prefill attends within
-    the packed stream, as without a cache; a decode step (one new token per row) over the row's
-    positions 0..position, all rows in one SDPA call."""
+    """Per layer a buffer (slots, Hkv, capacity, D), slot s holding one sequence's keys (values) at
+    their positions. Each forward calls begin() once, then each layer attend(). Set by the caller:
+    `rows` (B,), each sequence's slot (default 0..B-1), and `continuing`, whether a prefill appends
+    to live slots. A prefill from position 0 attends within the packed stream, as without a cache; a
+    decode step (one new token per row) over its slot's positions 0..position, all rows in one SDPA
+    call; a continuation (tokens appended to a live slot) over its slot, one sequence at a time."""
 
-    def __init__(self, batch_size, capacity):
-        self.batch_size, self.capacity = batch_size, capacity
-        # per layer (B, Hkv, capacity, D), made at the first write, in k's dtype
+    def __init__(self, slots, capacity):
+        self.slots, self.capacity, self.rows, self.continuing = slots, capacity, None, False
+        # per layer (slots, Hkv, capacity, D), made at the first write, in k's dtype
         self.k, self.v = [], []
 
     def begin(self, position_ids, cu_seqlens, max_seqlen, sliding_window):
         T, B = position_ids.shape[0], cu_seqlens.shape[0] - 1
-        assert B == self.batch_size, \
-            f"a forward with a cache of {self.batch_size} sequences got {B}"
+        device = position_ids.device
+        slot = torch.arange(B, device=device) if self.rows is None else self.rows
+        assert len(slot) == B, f"a forward of {B} sequences with {len(slot)} cache rows"
         self.layer = 0  # the next attend() is this layer's
         # a prefill of length-1 prompts is also one token per row: the same arithmetic
         self.decoding = T == B
-        self.rows = torch.repeat_interleave(torch.arange(B, device=position_ids.device),
-                                            cu_seqlens.diff(),
-                                            output_size=T)  # (T,) each token's row
-        self.pos, self.length = position_ids, max_seqlen
+        self.rows_of = slot  # (B,)
+        self.slot = torch.repeat_interleave(slot, cu_seqlens.diff(), output_size=T)  # (T,)
+        self.pos, self.length, self.window = position_ids, max_seqlen, sliding_window
+        # rows 0..B-1 in order: the buffers' first rows are a view, not a copy
+        self.in_order = self.rows is None
+        key_pos = torch.arange(max_seqlen, device=device)
         if self.decoding:
-            key_pos = torch.arange(max_seqlen, device=position_ids.device)
-            # (B, L) causal; unwritten slots lie past each position
-            sees = key_pos <= position_ids[:, None]
-            if sliding_window is not None:
-                sees &= key_pos > position_ids[:, None] - sliding_window
-            self.mask = sees[:, None, None, :]  # (B, 1, 1, L): broadcast over heads and query rows
+            self.mask = self.sees(key_pos, position_ids)[:, None, None, :]  # (B, 1, 1, L)
+
+    def sees(self, key_pos, query_pos):
+        """(Q, L) causal (and windowed): unwritten or stale slots lie past each position."""
+        seen = key_pos <= query_pos[:, None]
+        if self.window is not None:
+            seen &= key_pos > query_pos[:, None] - self.window
+        return seen
 
     # eager even when compiled: in-place writes to a Python object's buffers, and no layer index to
     # specialise on
     @torch.compiler.disable
     def attend(self, q, k, v, cu_seqlens, max_seqlen, sliding_window):
         if self.layer == len(self.k):
-            shape = (self.batch_size, k.shape[1], self.capacity, k.shape[2])
+            shape = (self.slots, k.shape[1], self.capacity, k.shape[2])
             self.k.append(k.new_zeros(shape))
             self.v.append(v.new_zeros(shape))
         k_buf, v_buf = self.k[self.layer], self.v[self.layer]
         self.layer += 1
-        k_buf[self.rows, :, self.pos] = k  # (T, Hkv, D) scattered to (row, :, position)
-        v_buf[self.rows, :, self.pos] = v
+        k_buf[self.slot, :, self.pos] = k  # (T, Hkv, D) scattered to (slot, :, position)
+        v_buf[self.slot, :, self.pos] = v
         if not self.decoding:
-            return varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window)
+            if not self.continuing:
+                return varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window)
+            return self.continuation(q, k_buf, v_buf, cu_seqlens.tolist())
         B, H, D = q.shape
-        k, v = k_buf[:, :, :self.length], v_buf[:, :, :self.length]  # (B, Hkv, L, D)
+        rows = slice(0, B) if self.in_order else self.rows_of
+        k, v = k_buf[rows, :, :self.length], v_buf[rows, :, :self.length]  # (B, Hkv, L, D)
         # GQA without repeating K/V: the query heads that share a K/V head become its query rows
         q = q.view(B, k.shape[1], H // k.shape[1], D)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).reshape(B, H, D)
 
-    def keep(self, rows):
-        """Keep these rows (finished sequences leave), in this order, as rows 0..len(rows)-1."""
-        for buffers in (self.k, self.v):
-            for layer, buf in enumerate(buffers):
-                buffers[layer] = buf[torch.tensor(rows, dtype=torch.long, device=buf.device)]
-        self.batch_size = len(rows)
+    def continuation(self, q, k_buf, v_buf, cu):
+        """Tokens appended to live slots: each sequence's queries over its slot's keys so far."""
+        out = []
+        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+            end = int(self.pos[b - 1]) + 1
+            s = self.rows_of[i]
+            k, v = k_buf[s, :, :end], v_buf[s, :, :end]  # (Hkv, L, D)
+            qi = q[a:b].transpose(0, 1)  # (H, n, D)
+            qi = qi.reshape(k.shape[0], -1, *qi.shape[1:])  # (Hkv, H / Hkv, n, D)
+            mask = self.sees(torch.arange(end, device=q.device), self.pos[a:b])  # (n, L)
+            y = F.scaled_dot_product_attention(qi, k[:, None], v[:, None], attn_mask=mask)
+            out.append(y.reshape(q.shape[1], b - a, -1).transpose(0, 1))
+        return torch.cat(out)
+
+    def copy(self, source, targets, length):
+        """Slot source's first `length` positions into each slot of targets: a prompt's replies."""
+        index = torch.as_tensor(targets, device=self.k[0].device)
+        for buf in self.k + self.v:
+            buf[index, :, :length] = buf[source, :, :length]
 
 
-def sample(logits, temperature=0.0, top_k=None, top_p=None, generator=None):
-    """(B, V) float logits -> (B,) next ids: argmax at temperature 0, else a draw from
-    softmax(logits / temperature) kept to the top_k tokens and to the nucleus (the fewest most
-    likely tokens reaching top_p). generator: one for all rows, or a list, one per row (its tokens
-    then the same whatever else is in the batch)."""
+def mix(x):
+    """A 32-bit integer hash (lowbias32's shape; multipliers under 2**31, so int64 products never
+    overflow): works alike on Python ints and int64 tensors."""
+    x = x & M32
+    x = ((x ^ (x >> 16)) * 0x7FEB352D) & M32
+    x = ((x ^ (x >> 15)) * 0x2C1B3C6D) & M32
+    return x ^ (x >> 16)
+
+
+def stream(seed, key, reply):
+    """A reply's random stream: its seed, its prompt's key (e.g. its position in the prompt stream)
+    and its index among the prompt's replies."""
+    return mix(mix(mix(seed) ^ key) ^ reply)
+
+
+def uniforms(streams, token_index):
+    """(B,) streams and token indices -> (B,) float32 uniforms in (0, 1), 24 bits each."""
+    return ((mix(streams ^ mix(token_index)) >> 8).float() + 0.5) / 2**24
+
+
+def sample(logits, temperature=0.0, top_k=None, top_p=None, noise=None):
+    """(B, V) float logits -> (B,) next ids and (B,) their log-probs under softmax(logits /
+    temperature) (the trainer's; at temperature 0, softmax(logits)). Argmax at temperature 0, else
+    the inverse CDF at noise (B,) uniforms of softmax(logits / temperature) kept to the top_k tokens
+    and to the nucleus (the fewest most likely tokens reaching top_p)."""
     if temperature == 0.0:
-        return logits.argmax(-1)
+        ids = logits.argmax(-1)
+        return ids, logits.gather(1, ids[:, None])[:, 0] - logits.logsumexp(-1)
     logits = logits / temperature
+    nucleus = top_p is not None and top_p < 1.0
+    # the candidates: the top_k sorted, or every token (sorted when the nucleus needs it)
     if top_k is not None:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, -1)
+        values, order = torch.topk(logits, min(top_k, logits.shape[-1]))
+    elif nucleus:
+        values, order = logits.sort(-1, descending=True)
+    else:
+        values, order = logits, None
+    probs = torch.softmax(values, -1)
     # 1.0 skipped: a float cumsum may reach 1 before the last tokens
-    if top_p is not None and top_p < 1.0:
-        sorted_probs, order = probs.sort(-1, descending=True)
+    if nucleus:
         # the tokens before it already reach top_p
-        outside = sorted_probs.cumsum(-1) - sorted_probs >= top_p
-        probs = probs.scatter(-1, order, sorted_probs.masked_fill(outside, 0.0))
-    if isinstance(generator, (list, tuple)):
-        return torch.cat([torch.multinomial(p, 1, generator=g) for p, g in zip(probs, generator)])
-    return torch.multinomial(probs, 1, generator=generator).squeeze(1)
+        probs = probs.masked_fill(probs.cumsum(-1) - probs >= top_p, 0.0)
+    cdf = probs.cumsum(-1)
+    # the first candidate whose cumulative probability reaches the draw: never one of probability 0
+    pick = torch.searchsorted(cdf, (noise * cdf[:, -1])[:, None]).clamp_(max=cdf.shape[1] - 1)
+    ids = (pick if order is None else order.gather(1, pick))[:, 0]
+    return ids, logits.gather(1, ids[:, None])[:, 0] - logits.logsumexp(-1)
 
 
 def packed(pieces, starts, device):
@@ -103,66 +159,204 @@ def packed(pieces, starts, device):
             torch.from_numpy(cu[1:] - 1).to(device))
 
 
-@torch.no_grad()
-def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k=None,
-             generator=None,
-             sync_ranks=False, kv_cache=True, num_samples=1, top_p=None):
-    """prompts: token-id lists -> the new tokens of num_samples replies to each, reply j to prompt i
-    at i * num_samples + j, the stop token included; a reply also stops where prompt + reply fill
-    max_seq_len. sync_ranks (FSDP: every forward is a collective): ranks step together until all are
-    done, one with nothing left running a dummy forward. kv_cache=False re-reads every sequence
-    whole for each token: the reference the cache is tested against."""
-    device = next(model.parameters()).device
-    longest, positions = max(map(len, prompts), default=0), model.config.max_seq_len
-    if longest >= positions:
-        raise ValueError(f"a prompt of {longest} tokens leaves no room for a reply: the model "
-                         f"reads at most max_seq_len={positions} tokens")
-    seqs = [list(p) for p in prompts for _ in range(num_samples)]
-    new = [[] for _ in seqs]
-    active = list(range(len(seqs)))
-    stop_ids = set(stop_ids)
-    cache = KVCache(len(prompts),
-                    min(longest + max_new_tokens, positions)) if kv_cache and prompts else None
-    for step in range(max_new_tokens):
-        if sync_ranks:
-            busy = torch.tensor(len(active), device=device)
-            torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MAX)
-            if busy.item() == 0:
+@dataclass
+class Sampling:
+    """How replies are drawn: the settings a serving engine (vLLM's SamplingParams) takes."""
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int = None
+    top_p: float = None
+    stop_ids: tuple = ()
+    seed: int = 0
+
+
+@dataclass
+class Reply:
+    """One reply: its tokens, each one's log-prob as the sampler computed it, and where it stands
+    (its slot while live; ended by a stop token, by max_new_tokens, or by max_seq_len)."""
+    prompt: list
+    stream: int
+    max_new_tokens: int
+    tokens: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
+    slot: int = None
+    cached: int = 0  # tokens of prompt + reply in its slot's cache
+    done: bool = False
+
+
+class Engine:
+    """The seam where a serving backend (vLLM, SGLang) would plug in: prompts and Sampling in,
+    Replies (ids and the sampler's log-probs) out, weights_updated() after each optimizer step.
+    This one runs the trainer's own model in this process, so its weights are always current.
+
+    slots: replies decoded at once (default: all of a call's, as memory allows); a reply that ends
+    frees its slot for the next waiting prompt, whose replies all need one. compile: the decode step
+    through torch.compile. keep_slots: a reply keeps its slot when it ends, so that extend() can
+    append to it (multi-turn). kv_cache=False re-reads every sequence whole for each token: the
+    reference the cache is tested against. sync_ranks (FSDP: every forward is a collective): ranks
+    step together until all are done, one with nothing left running a dummy forward."""
+
+    def __init__(self, model, slots=None, compile=False, keep_slots=False, kv_cache=True,
+                 sync_ranks=False):
+        self.model, self.slots, self.keep_slots = model, slots, keep_slots
+        self.kv_cache, self.sync_ranks, self.cache = kv_cache, sync_ranks, None
+        self.step_model = torch.compile(model, dynamic=True) if compile else model
+        self.device = next(model.parameters()).device
+        self.positions = model.config.max_seq_len
+
+    def weights_updated(self):
+        """After each optimizer step: a backend holding its own copy of the weights reloads them
+        here; this one reads the trainer's."""
+
+    def generate(self, prompts, sampling, num_samples=1, keys=None, capacity=None):
+        """prompts: token-id lists -> num_samples Replies to each, reply j to prompt i at
+        i * num_samples + j. keys: each prompt's key for its replies' random streams (default its
+        index). sampling.max_new_tokens: one for all, or a list with one per reply."""
+        longest = max(map(len, prompts), default=0)
+        if longest >= self.positions:
+            raise ValueError(f"a prompt of {longest} tokens leaves no room for a reply: the model "
+                             f"reads at most max_seq_len={self.positions} tokens")
+        keys = range(len(prompts)) if keys is None else keys
+        limits = sampling.max_new_tokens
+        if isinstance(limits, int):
+            limits = [limits] * (len(prompts) * num_samples)
+        groups = [[Reply(list(p), stream(sampling.seed, key, j), limits[i * num_samples + j])
+                   for j in range(num_samples)] for i, (p, key) in enumerate(zip(prompts, keys))]
+        if self.kv_cache and prompts:
+            slots = self.slots or len(prompts) * num_samples
+            if slots < num_samples:
+                raise ValueError(f"slots={slots} cannot hold a prompt's {num_samples} replies")
+            self.cache = KVCache(slots, capacity or min(longest + max(limits), self.positions))
+            self.free = list(range(slots))
+        self.run(groups, sampling)
+        return [r for g in groups for r in g]
+
+    def extend(self, reply, tokens, more, sampling):
+        """Multi-turn: tokens (an observation) appended to a live reply's slot, read in one more
+        prefill into it, then up to `more` new tokens sampled after them (logprobs: NaN for the
+        appended tokens, which were not sampled)."""
+        assert reply.slot is not None or not self.kv_cache, "extend() needs keep_slots=True"
+        reply.tokens += tokens
+        reply.logprobs += [float("nan")] * len(tokens)
+        reply.max_new_tokens, reply.done = len(reply.tokens) + more, False
+        self.run([[reply]], sampling)
+        return reply
+
+    @torch.no_grad()
+    def run(self, waiting, sampling):
+        """Steps until every reply of `waiting` (groups: a prompt's replies, prefilled once) ends:
+        each step either prefills the groups that found slots or decodes the live replies."""
+        waiting, live = list(waiting), []
+        while True:
+            busy = bool(waiting or live)
+            if self.sync_ranks:
+                busy = torch.tensor(int(busy), device=self.device)
+                torch.distributed.all_reduce(busy, op=torch.distributed.ReduceOp.MAX)
+                busy = busy.item() > 0
+            if not busy:
                 break
-            if not active:
-                model(torch.zeros(1, dtype=torch.long, device=device))
-                continue
-        elif not active:
-            break
-        # a prompt's replies are all active at step 0
-        prefill_once = cache is not None and step == 0
-        if cache is None or step == 0:  # whole sequences (with a cache: the prefill of the prompts)
-            read = active[::num_samples] if prefill_once else active
-            inputs = packed([seqs[i] for i in read], [0] * len(read), device)
-        else:  # one decode step: each sequence's newest token, at its position
-            inputs = packed([seqs[i][-1:] for i in active], [len(seqs[i]) - 1 for i in active],
-                            device)
-        max_len = max(len(seqs[i]) for i in active)  # cached tokens included
+            admitted = self.admit(waiting)
+            if admitted:
+                self.prefill(admitted, sampling)
+                live += [r for group in admitted for r in group]
+            elif live:
+                self.decode(live, sampling)
+            else:
+                # this rank is done, another is not: its forward is a collective
+                self.model(torch.zeros(1, dtype=torch.long, device=self.device))
+            live = [r for r in live if not r.done]
+
+    def admit(self, waiting):
+        """The waiting groups, first come first served, that find a slot for each of their
+        replies (a continued reply has its own)."""
+        admitted = []
+        while waiting and (not self.kv_cache or waiting[0][0].slot is not None
+                           or len(waiting[0]) <= len(self.free)):
+            group = waiting.pop(0)
+            for r in group:
+                if self.kv_cache and r.slot is None:
+                    r.slot = self.free.pop(0)
+            admitted.append(group)
+        return admitted
+
+    def prefill(self, groups, sampling):
+        """Each group's uncached tokens read once, into its first reply's slot, copied to the other
+        replies' slots; each reply's next token drawn from the group's last logits."""
+        if not self.kv_cache:
+            replies = [r for g in groups for r in g]
+            return self.draw(replies, self.reread(replies), sampling)
+        firsts = [g[0] for g in groups]
+        seqs = [r.prompt + r.tokens for r in firsts]
+        logits = self.forward([s[r.cached:] for s, r in zip(seqs, firsts)],
+                              [r.cached for r in firsts], [r.slot for r in firsts],
+                              max(map(len, seqs)))
+        for group, seq in zip(groups, seqs):
+            if len(group) > 1:
+                self.cache.copy(group[0].slot, [r.slot for r in group[1:]], len(seq))
+            for r in group:
+                r.cached = len(seq)
+        each = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=logits.device)
+        self.draw([r for g in groups for r in g], logits[each], sampling)
+
+    def decode(self, live, sampling):
+        """One new token for each live reply: its newest token read at its position."""
+        if not self.kv_cache:
+            return self.draw(live, self.reread(live), sampling)
+        logits = self.forward([r.tokens[-1:] for r in live], [r.cached for r in live],
+                              [r.slot for r in live], max(r.cached for r in live) + 1,
+                              self.step_model)
+        for r in live:
+            r.cached += 1
+        self.draw(live, logits, sampling)
+
+    def reread(self, replies):
+        """Without a cache: each reply's whole sequence read again -> (B, V) its last logits."""
+        seqs = [r.prompt + r.tokens for r in replies]
+        return self.forward(seqs, [0] * len(seqs), None, max(map(len, seqs)))
+
+    def forward(self, pieces, starts, slots, max_len, model=None):
+        """Packed pieces at their positions, in their cache slots -> (B, V) float32 logits of each
+        one's last token."""
+        inputs = packed(pieces, starts, self.device)
+        if self.cache is not None:
+            # slots 0..B-1 in order: the cache reads its buffers' first rows as a view
+            in_order = slots is None or slots == list(range(len(slots)))
+            self.cache.rows = None if in_order else torch.tensor(slots, device=self.device)
+            self.cache.continuing = any(starts)
         # through forward, not the trunk directly, so that FSDP2's root hooks gather the embeddings
         # and head
-        # (B, V): each one's last token
-        logits = model(*inputs[:3], max_len, logits_at=inputs[3], cache=cache).float()
-        # each prompt's last logits and cache row, once per reply
-        if prefill_once and num_samples > 1:
-            logits = logits.repeat_interleave(num_samples, 0)
-            cache.keep([i for i in range(len(prompts)) for _ in range(num_samples)])
-        # a generator per reply, following the active rows
-        per_reply = isinstance(generator, (list, tuple))
-        next_ids = sample(logits, temperature, top_k, top_p, [generator[i] for i in active]
-                          if per_reply else generator)
-        still, rows = [], []
-        for row, (i, t) in enumerate(zip(active, next_ids.tolist())):
-            seqs[i].append(t)
-            new[i].append(t)
-            if t not in stop_ids and len(seqs[i]) < positions:
-                still.append(i)
-                rows.append(row)
-        if cache is not None and len(still) < len(active):
-            cache.keep(rows)  # a finished sequence's row leaves the cache: decode steps skip it
-        active = still
-    return new
+        return (model or self.model)(*inputs[:3], max_len, logits_at=inputs[3],
+                                     cache=self.cache if self.kv_cache else None).float()
+
+    def draw(self, replies, logits, sampling):
+        """Each reply's next token from its (B, V) logits, with its own stream's noise; a reply
+        ends at a stop token, at its max_new_tokens or where the model has no positions left."""
+        noise = None
+        if sampling.temperature:
+            streams = torch.tensor([r.stream for r in replies], device=logits.device)
+            index = torch.tensor([len(r.tokens) for r in replies], device=logits.device)
+            noise = uniforms(streams, index)
+        ids, logps = sample(logits, sampling.temperature, sampling.top_k, sampling.top_p, noise)
+        stop_ids = set(sampling.stop_ids)
+        for r, t, logp in zip(replies, ids.tolist(), logps.tolist()):
+            r.tokens.append(t)
+            r.logprobs.append(logp)
+            r.done = (t in stop_ids or len(r.tokens) >= r.max_new_tokens
+                      or len(r.prompt) + len(r.tokens) >= self.positions)
+            if r.done and r.slot is not None and not self.keep_slots:
+                self.free.append(r.slot)
+                r.slot = None
+
+
+def generate(model, prompts, max_new_tokens, stop_ids=(), temperature=0.0, top_k=None, seed=0,
+             keys=None, sync_ranks=False, kv_cache=True, num_samples=1, top_p=None, slots=None,
+             logprobs=False):
+    """prompts: token-id lists -> the new tokens of num_samples replies to each, reply j to prompt i
+    at i * num_samples + j, the stop token included (and with logprobs, each token's log-prob as
+    the sampler computed it); a reply also stops where prompt + reply fill max_seq_len. Reply j of
+    prompt i draws from the stream (seed, keys[i], j). See Engine for the rest."""
+    sampling = Sampling(max_new_tokens, temperature, top_k, top_p, tuple(stop_ids), seed)
+    engine = Engine(model, slots, kv_cache=kv_cache, sync_ranks=sync_ranks)
+    replies = engine.generate(prompts, sampling, num_samples, keys)
+    ids = [r.tokens for r in replies]
+    return (ids, [r.logprobs for r in replies]) if logprobs else ids

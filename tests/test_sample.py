@@ -27,7 +27,7 @@ def test_batched_greedy_generation_equals_one_prompt_at_a_time():
 def test_sampling_is_seeded_and_respects_top_k():
     torch.manual_seed(0)
     model = Transformer(ModelConfig(vocab_size=50, n_layer=1, n_head=2, d_model=16, ffn_hidden=32, max_seq_len=64))
-    runs = [generate(model, [[1, 2]], 8, temperature=1.0, top_k=5, generator=torch.Generator().manual_seed(3))
+    runs = [generate(model, [[1, 2]], 8, temperature=1.0, top_k=5, seed=3)
             for _ in range(2)]
     assert runs[0] == runs[1]
     with torch.no_grad():
@@ -86,13 +86,13 @@ def test_kv_cache_generates_exactly_what_no_cache_does(config):
     model = random_model(**CACHE_CONFIGS[config])
     for sampling in (dict(), dict(temperature=0.8, top_k=20)):
         def run(**kw):
-            return generate(model, PROMPTS, 10, generator=torch.Generator().manual_seed(3), **sampling, **kw)
+            return generate(model, PROMPTS, 10, seed=3, **sampling, **kw)
 
         ref = run(kv_cache=False)
         stop_ids = [t for t in ref[1][2:] if t not in ref[0]][:1]  # ends sequence 1 early, never sequence 0
         ref = run(kv_cache=False, stop_ids=stop_ids)
         assert len(ref[1]) < 10 and len(ref[0]) == 10  # rows leave the cache while others go on
-        assert run(stop_ids=stop_ids) == ref  # token for token, the sampled ones with the same generator draws
+        assert run(stop_ids=stop_ids) == ref  # token for token, the sampled ones with the same noise
 
 
 @pytest.mark.parametrize("config", CACHE_CONFIGS)
@@ -120,8 +120,8 @@ def test_cached_logits_equal_the_full_forward(config):
             torch.testing.assert_close(cached, full, atol=0 if step == 0 else 3e-5, rtol=0)
             for s, t in zip(seqs, full.argmax(-1).tolist()):
                 s.append(t)
-            if step == 4:  # a sequence finishes: its row leaves the cache, the others move up
-                cache.keep([0, 2, 3])
+            if step == 4:  # a sequence finishes: the others read their own slots, 0, 2 and 3
+                cache.rows = torch.tensor([0, 2, 3])
                 del seqs[1]
             ids, pos, cu = pack([s[-1:] for s in seqs], [torch.tensor([len(s) - 1]) for s in seqs])
             cached = model(ids, pos, cu, max(map(len, seqs)), logits_at=cu[1:].long() - 1, cache=cache)

@@ -70,10 +70,9 @@ def test_generate_stops_each_reply_where_the_model_has_no_positions_left(kv_cach
     model = Transformer(ModelConfig(vocab_size=50, n_layer=2, n_head=4, n_kv_head=2, d_model=32, ffn_hidden=64,
                                     max_seq_len=64)).eval()
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8, 9, 10], [11] * 10]
-    gens = lambda: [torch.Generator().manual_seed(i) for i in range(2 * len(prompts))]  # noqa: E731
-    free = generate(model, prompts, 20, temperature=1.0, generator=gens(), num_samples=2, kv_cache=kv_cache)
+    free = generate(model, prompts, 20, temperature=1.0, seed=0, num_samples=2, kv_cache=kv_cache)
     model.config.max_seq_len = 12  # the same weights and RoPE table, 12 positions
-    capped = generate(model, prompts, 20, temperature=1.0, generator=gens(), num_samples=2, kv_cache=kv_cache)
+    capped = generate(model, prompts, 20, temperature=1.0, seed=0, num_samples=2, kv_cache=kv_cache)
     for i, (a, b) in enumerate(zip(free, capped)):
         assert len(b) == 12 - len(prompts[i // 2]) and b == a[:len(b)]
     assert generate(model, [[1, 2]], 3) == generate(model, [[1, 2]], 3, kv_cache=not kv_cache)  # room: unchanged
