@@ -114,12 +114,13 @@ def clip_counts(ratio, advantages, clip_low, clip_high, clip_mode):
 
 def policy_loss(logps, old_logps, seq_ids, advantages, weights, lengths, clip_low, clip_high,
                 clip_mode="ppo", reply_sums=None, ref_logps=None, kl_coef=0.0,
-                token_advantages=None):
+                token_advantages=None, is_weights=None):
     """The GRPO family on a micro-batch's K trained tokens -> (its share of the step loss,
     (ratio sum, tokens clipped low, high)). Per reply (S,): advantages, weights (each of its
     tokens' share of the step loss), lengths (its trained tokens); seq_ids (K,) each token's reply.
     Ratios to the sampling policy (old_logps), one per token, or with reply_sums (per token ->
-    (S,) sums) one per reply, exp of its mean log-ratio (GSPO); + kl_coef x k3 KL to ref_logps.
+    (S,) sums) one per reply, exp of its mean log-ratio (GSPO); each token's loss times is_weights
+    (K,) (the sampler/trainer correction, as TRL); + kl_coef x k3 KL to ref_logps.
     token_advantages (K,): added to each token's (per-token ratios only)."""
     log_ratio = logps - old_logps
     a, w = advantages[seq_ids], weights[seq_ids]
@@ -140,14 +141,39 @@ def policy_loss(logps, old_logps, seq_ids, advantages, weights, lengths, clip_lo
             # the value from the tokens (a CP slice holds some), the gradient from whole replies
             reply_losses = clipped_objective(reply_ratio, advantages, clip_low, clip_high,
                                              clip_mode)
-            per_reply = (weights * lengths * reply_losses).sum()
+            # each reply's loss counted once per token, each token at its correction's weight
+            counts = lengths if is_weights is None else reply_sums(is_weights)
+            per_reply = (weights * counts * reply_losses).sum()
             losses, per_reply = reply_losses.detach()[seq_ids], per_reply - per_reply.detach()
+    if is_weights is not None:
+        losses = losses * is_weights
     if kl_coef:
         log_ref = ref_logps - logps
         losses = losses + kl_coef * (torch.exp(log_ref) - log_ref - 1)
     clipped = clip_counts(ratio.detach(), a, clip_low, clip_high, clip_mode)
     stats = torch.stack([ratio.detach().sum(), *clipped])
     return (w * losses).sum() + per_reply, stats
+
+
+def sampler_mismatch(trainer_logps, sampler_logps):
+    """Per sampled token -> (the k3 estimate of KL(sampler || trainer), the ratio p_trainer /
+    p_sampler): what the sampler saw against what the trainer recomputes."""
+    log_r = trainer_logps - sampler_logps
+    return log_r.exp() - log_r - 1, log_r.exp()
+
+
+def correction_weights(trainer_logps, sampler_logps, mode, cap, reply_sums=None):
+    """TRL's importance-sampling correction of the sampler/trainer mismatch -> (K,) weights (no
+    gradient): the ratio exp(trainer - sampler) per token, or (sequence_*) one per reply, exp of
+    its summed log-ratio (reply_sums: per token -> (K,) its reply's sum); *_truncate caps it at
+    `cap`, *_mask zeroes it above. A NaN sampler log-prob (a token not sampled) counts as 1."""
+    log_ratio = torch.nan_to_num((trainer_logps - sampler_logps).detach(), nan=0.0)
+    if mode.startswith("sequence"):
+        log_ratio = reply_sums(log_ratio)
+    ratio = torch.exp(log_ratio)
+    if mode.endswith("truncate"):
+        return ratio.clamp(max=cap)
+    return ratio.masked_fill(ratio > cap, 0.0)
 
 
 def loss_weights(lengths, aggregation, normaliser):
@@ -168,15 +194,22 @@ def grpo_objective(mb, logps, old, replies, settings, token_advantages=None):
     sums by name: the loss, ratios, tokens clipped low and high). old: the sampling policy's
     ("sampling") and the reference's ("ref") log-probs of its tokens; replies: (advantages,
     weights, lengths) of each reply of this rank's groups; settings: the config's k, clip_eps,
-    clip_eps_high, clip_mode, importance_sampling_level, kl_coef."""
+    clip_eps_high, clip_mode, importance_sampling_level, kl_coef, is_correction, is_cap (with the
+    sampler's log-probs in mb.sampler_logps)."""
     k = settings["k"]
     # the batch's replies: group u holds replies u*k .. u*k+k-1
     seqs = (mb.units[:, None] * k + torch.arange(k, device=logps.device)).flatten()
     advantages, weights, lengths = (x[seqs] for x in replies)
     reply_sums = mb.sequence_sums if settings["importance_sampling_level"] == "sequence" else None
     clip = settings["clip_eps"], settings["clip_eps_high"], settings["clip_mode"]
+    correction = None
+    if settings["is_correction"] != "none":
+        per_token = lambda x: mb.sequence_sums(x)[mb.seq_ids]  # noqa: E731
+        correction = correction_weights(old["sampling"], mb.sampler_logps,
+                                        settings["is_correction"], settings["is_cap"], per_token)
     loss, stats = policy_loss(logps, old["sampling"], mb.seq_ids, advantages, weights, lengths,
-                              *clip, reply_sums, old["ref"], settings["kl_coef"], token_advantages)
+                              *clip, reply_sums, old["ref"], settings["kl_coef"], token_advantages,
+                              correction)
     # a CP slice holds a share of the tokens: the shares add up
     return loss, dict(loss=loss.detach(), **dict(zip(POLICY_STATS, stats)))
 
@@ -247,7 +280,7 @@ GRPO_FAMILY = tuple(RL_PRESETS)[:-1]
 # the keys only one kind of train_rl.py's `loss` reads: set explicitly with the other, a
 # config error
 GRPO_ONLY = ("loss_aggregation", "scale_rewards", "clip_eps", "clip_eps_high",
-             "importance_sampling_level", "clip_mode")
+             "importance_sampling_level", "clip_mode", "is_correction", "is_cap")
 RL_READ_BY = {key: ("loss", GRPO_FAMILY, "") for key in GRPO_ONLY}
 # the teacher's per-token advantage is per token: no ratio per reply
 RL_READ_BY["importance_sampling_level"] = ("loss", tuple(x for x in GRPO_FAMILY if x != "distill"),

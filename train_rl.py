@@ -18,7 +18,6 @@ depend neither on the world size nor on a resume. docs/rl.md has the rest.
 import math
 import sys
 import time
-from functools import lru_cache
 
 import numpy as np
 import torch
@@ -27,15 +26,15 @@ from nanopack.checkpoint import export_hf, save_checkpoint
 from nanopack import keys
 from nanopack.configurator import configure
 from data.dataset import check_group_fits, read_prompts
-from nanopack.generate import generate
 from losses import (GRPO_FAMILY, RL_OBJECTIVES, RL_PRESETS, RL_READ_BY, group_advantages,
-                    loss_weights)
+                    loss_weights, sampler_mismatch)
 from nanopack.metrics import MetricsLogger, Throughput, Timer, format_eta
 from packing import group_data, rank_microbatches, shared_prefixes, unit_lengths
 from nanopack.parallel import (all_reduce_max, all_reduce_sum, fail, print0, sync_gradients,
                                teardown_distributed)
 from nanopack.reference import Reference
 from nanopack.rewards import RewardError, Rewards
+from nanopack.rollout import Rollouts, sampler_logps, teaches
 from nanopack.run import clip_grad_norm, lr_at, set_lr, start_run
 from nanopack.teacher import load_teacher
 from nanopack.startup import (initial_weights, load_model, load_tokenizer, lora_settings,
@@ -80,6 +79,10 @@ clip_eps_high = 0.28
 importance_sampling_level = "token"
 # 'ppo': -min(r A, clip(r) A); 'cispo': -sg(clip(r)) A log p, every token keeps its gradient
 clip_mode = "ppo"
+# the sampler/trainer mismatch corrected as TRL's vllm_importance_sampling_mode: 'none',
+# 'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask' (TRL's default)
+is_correction = "sequence_mask"
+is_cap = 3.0  # is_correction: the largest ratio kept (truncate: clipped to it; mask: above it, 0)
 # replies that have not stopped by max_new_tokens leave the loss (DAPO's overlong filtering)
 mask_truncated = True
 # DAPO: groups whose k rewards are all equal leave, more prompts are sampled to fill the step
@@ -114,6 +117,8 @@ config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, 
     clip_eps="(0, inf)", clip_eps_high="(0, inf)",
     importance_sampling_level=("token", "sequence"),
     clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)",
+    is_correction=("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
+    is_cap="(0, inf)",
     updates_per_batch="[1, inf)", max_iters="[1, inf)", distill_coef="[0, 1]"))
 # -----------------------------------------------------------------------------
 
@@ -192,67 +197,7 @@ ref = Reference.of_model("adapters_off" if config["lora_rank"] else "live", run,
 teacher_model = load_teacher(run, teacher, model_config) if loss == "distill" else None
 
 
-@lru_cache(maxsize=2)
-def permutation(epoch):
-    return np.random.default_rng((config["seed"], epoch)).permutation(len(train_prompts))
-
-
-def sample(first):
-    """This rank's share of the prompts at stream positions first .. first + prompts_per_step ->
-    (their positions, prompts, k token lists per prompt, rewards (G, k), each reward function's
-    (G * k, F), seconds in `reward`)."""
-    mine = list(range(first + run.cp.data_rank, first + prompts_per_step, run.cp.data_size))
-    n = len(train_prompts)
-    prompts = [train_prompts[permutation(i // n)[i % n]] for i in mine]
-    model.eval()
-    with run.autocast:
-        replies = generate(raw_model, [p[0] for p in prompts], max_new_tokens, tok.stop_ids,
-                           temperature, seed=config["seed"], keys=mine, sync_ranks=sync_ranks,
-                           num_samples=k, top_p=top_p)
-    model.train()
-    t0 = time.perf_counter()
-    scored = reward_fns.score(prompts, replies, k, tok.decode_reply) if first_in_cp else None
-    # a CP group's first rank's replies and rewards are the group's: a nondeterministic kernel or
-    # reward cannot set its ranks apart
-    replies, (rewards, each) = run.cp.broadcast((replies, scored))
-    groups = [replies[g * k:(g + 1) * k] for g in range(len(prompts))]
-    return mine, prompts, groups, rewards.reshape(-1, k), each, time.perf_counter() - t0
-
-
-def teaches(rewards):
-    """(G, k) -> (G,) whether a group's rewards differ: one whose k rewards are equal has all
-    advantages 0."""
-    return rewards.max(1, initial=-math.inf) > rewards.min(1, initial=math.inf)
-
-
-def collect(first):
-    """One step's groups from prompt stream position `first` -> ((prompts, replies, rewards) to
-    train, (every reply sampled, every reward, rounds), seconds in `reward`, the next position).
-    dynamic_sampling (DAPO): groups whose rewards are all equal are dropped and rounds of
-    prompts_per_step more prompts sampled until prompts_per_step groups teach something (the first
-    ones in the stream: the same on any world size), or max_extra_rounds were sampled."""
-    kept, sampled, reward_s, rounds, n_kept = ([], [], []), ([], [], []), 0.0, 0, 0
-    while True:
-        positions, prompts, replies, rewards, each, seconds = sample(first)
-        sampled[0].extend(replies)
-        sampled[1].append(rewards)
-        sampled[2].append(each)
-        reward_s, rounds = reward_s + seconds, rounds + 1
-        if not dynamic_sampling:
-            next_first = first + prompts_per_step
-            return (prompts, replies, rewards), (*sampled, rounds), reward_s, next_first
-        flags = np.zeros(prompts_per_step)
-        flags[np.array(positions, dtype=np.int64) - first] = teaches(rewards)
-        teaching = np.flatnonzero(np.array(all_reduce_sum(flags.tolist(), device)))
-        chosen = teaching[:prompts_per_step - n_kept] + first
-        for g in np.flatnonzero(np.isin(positions, chosen)):
-            for part, x in zip(kept, (prompts[g], replies[g], rewards[g])):
-                part.append(x)
-        n_kept, first = n_kept + len(chosen), first + prompts_per_step
-        # the step trains what it has: its line says so
-        if n_kept == prompts_per_step or rounds > max_extra_rounds:
-            to_train = (kept[0], kept[1], np.array(kept[2]).reshape(-1, k))
-            return to_train, (*sampled, rounds), reward_s, first
+rollouts = Rollouts(run, config, train_prompts, reward_fns, model, raw_model, tok, sync_ranks)
 
 
 def reward_std(rewards, ddof=0):
@@ -301,11 +246,12 @@ def best_and_worst(replies, rewards, keep, cut, lengths):
 replies_to_train = every_reply if loss in GRPO_FAMILY else best_and_worst
 
 
-def training_batches(prompts, replies, rewards):
-    """The step's groups -> (host micro-batches, as many on every rank; what the objective needs
-    besides (every_reply's per-reply values, or the step's pairs); groups that teach something;
-    tokens unshared). A group whose k rewards are equal is not computed (unless kl_coef > 0: its KL
-    term); it counts in the step's normaliser as TRL counts it (it has no loss)."""
+def training_batches(prompts, replies, logps, rewards):
+    """The step's groups -> (host micro-batches, as many on every rank; each one's sampler log-probs
+    (None: online DPO, or a CP slice); what the objective needs besides (every_reply's per-reply
+    values, or the step's pairs); groups that teach something; tokens unshared). A group whose k
+    rewards are equal is not computed (unless kl_coef > 0: its KL term); it counts in the step's
+    normaliser as TRL counts it (it has no loss)."""
     rewards = np.asarray(rewards, dtype=np.float64).reshape(-1, k)
     taught = teaches(rewards) | (loss == "distill")
     # kl_coef is the GRPO family's only (configure refuses it with online_dpo)
@@ -323,7 +269,11 @@ def training_batches(prompts, replies, rewards):
     mbs = rank_microbatches(data, np.arange(len(keep)), unit_lengths(data, size, prefix),
                             microbatch_tokens * config["context_parallel"], size, prefix,
                             context=run.cp, busiest=lambda n: all_reduce_max(n, device))
-    return mbs, objective_input, trained, int(np.diff(data["offsets"]).sum()) * first_in_cp
+    # a CP slice holds part of its replies' tokens: the sampler's are not sliced (yet)
+    sampler = [sampler_logps(logps, keep, masks, mb.units, size)
+               if masks is not None and config["context_parallel"] == 1 else None for mb in mbs]
+    unshared = int(np.diff(data["offsets"]).sum()) * first_in_cp
+    return mbs, sampler, objective_input, trained, unshared
 
 
 def microbatch_loss(mb, objective_input, old):
@@ -337,8 +287,17 @@ def microbatch_loss(mb, objective_input, old):
     if "ref" not in old:
         old["ref"], old["teacher"] = (m and m.logps(mb, score_at) for m in (ref, teacher_model))
         old["sampling"] = logps.detach()
-    loss_share, sums = objective(mb, logps, old, objective_input, config)
-    sums.update(sampled_nll=-old["sampling"].sum(), target_tokens=float(mb.num_target_tokens))
+        # the mismatch: the sampler's log-probs (KV-cache decode) vs the trainer's (packed forward)
+        k3, ratio = sampler_mismatch(old["sampling"], old["sampler"]) if old["sampler"] \
+            is not None else (logps[:0], logps[:0])
+        old["k3"] = k3.sum()
+        mismatch["max_ratio"] = max(mismatch["max_ratio"], ratio.max().item() if len(ratio) else 0)
+    # the objective reads the sampler's log-probs with the micro-batch (none: no correction)
+    mb.sampler_logps = old["sampler"]
+    settings = config if old["sampler"] is not None else dict(config, is_correction="none")
+    loss_share, sums = objective(mb, logps, old, objective_input, settings)
+    sums.update(sampled_nll=-old["sampling"].sum(), target_tokens=float(mb.num_target_tokens),
+                sampler_k3=old["k3"])
     return loss_share * world_size, sums
 
 
@@ -349,11 +308,7 @@ def evaluate():
     if not val_prompts:
         return {}
     mine = val_prompts[rank::world_size]
-    model.eval()
-    with run.autocast:
-        replies = generate(raw_model, [p[0] for p in mine], max_new_tokens, tok.stop_ids,
-                           sync_ranks=sync_ranks)
-    model.train()
+    replies, _ = rollouts.generate(mine)
     rewards, _ = reward_fns.score(mine, replies, 1, tok.decode_reply)
     total, right, n = all_reduce_sum(
         [rewards.sum().item(), (rewards >= 1).sum().item(), len(mine)], device)
@@ -365,7 +320,7 @@ def evaluate():
 
 
 # microbatch_loss's sums
-STEP_STATS = ("loss", "sampled_nll", "target_tokens", *objective_stats)
+STEP_STATS = ("loss", "sampled_nll", "target_tokens", "sampler_k3", *objective_stats)
 
 
 def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_norm):
@@ -401,6 +356,8 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
                    reply_tokens_max=longest, truncated=cut / n, groups_trained=trained,
                    groups_sampled=sampled_groups, sampling_rounds=rounds,
                    sampled_nll=totals["sampled_nll"] / n_tokens,
+                   sampler_kl=totals["sampler_k3"] / n_tokens,
+                   sampler_ratio_max=all_reduce_max(mismatch["max_ratio"], device),
                    ratio_mean=per_token.get("ratio_sum"), clip_low=per_token.get("clipped_low"),
                    clip_high=per_token.get("clipped_high"),
                    distill_loss=per_token.get("distill_loss"),
@@ -418,7 +375,8 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
     parts += "" if loss != "distill" else f" | distill {metrics['distill_loss']:.4f}"
     print0(f"iter {iter_num}/{max_iters} | loss {totals['loss']:.4f} | reward {mean:.3f}{parts} | "
            f"accuracy {100 * metrics['accuracy']:.1f}% | {groups_line} | reply "
-           f"{reply_tokens / n:.1f} tokens (max {longest}, {100 * cut / n:.0f}% cut) | ms: gen "
+           f"{reply_tokens / n:.1f} tokens (max {longest}, {100 * cut / n:.0f}% cut) | sampler kl "
+           f"{metrics['sampler_kl']:.1e} | ms: gen "
            f"{1000 * gen_s:.0f}, reward {1000 * reward_s:.0f}, train {1000 * train_s:.0f} | tokens "
            f"{perf['tokens']:,.0f} (unshared {unshared:,.0f}) | eta {format_eta(eta)}")
     logger.log(metrics)
@@ -438,11 +396,15 @@ start_iter, t_start = iter_num, time.perf_counter()
 while iter_num < max_iters:
     lr = set_lr(optimizer, lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
-    (prompts, replies, rewards), sampled, reward_s, prompts_drawn = collect(prompts_drawn)
-    batches, objective_input, trained, unshared = training_batches(prompts, replies, rewards)
+    (prompts, replies, logps, rewards), sampled, reward_s, prompts_drawn = rollouts.collect(
+        prompts_drawn)
+    batches, sampler, objective_input, trained, unshared = training_batches(prompts, replies, logps,
+                                                                            rewards)
     gen_s = time.perf_counter() - t0 - reward_s
     meter.count(batches, data_time=0.0)
-    mbs, states = [mb.to(device) for mb in batches], [{} for _ in batches]
+    mbs = [mb.to(device) for mb in batches]
+    states = [dict(sampler=None if s is None else s.to(device)) for s in sampler]
+    mismatch = dict(max_ratio=0.0)
     # a stop signal is honoured after the step's last update
     stopping = False
     for _ in range(updates_per_batch):

@@ -293,10 +293,11 @@ def rl_patches(state, real, fake):
             stack.enter_context(mock.patch.object(generation, "sample", decoding.sample))
             if state["tracker"] is not None:
                 stack.enter_context(mock.patch.object(state["tracker"], "decoding", decoding))
-            replies = real["generate"](decoding, prompts, max_new_tokens, (), *args, **kwargs)
+            out = real["generate"](decoding, prompts, max_new_tokens, (), *args, **kwargs)
         stop = list(stop_ids)[:1] or [1]
-        return [[1 + i % kwargs.get("num_samples", 1)] + [1] * (len(r) - 2) + stop[:len(r) - 1]
-                for i, r in enumerate(replies)]
+        replies = [[1 + i % kwargs.get("num_samples", 1)] + [1] * (len(r) - 2) + stop[:len(r) - 1]
+                   for i, r in enumerate(out[0] if kwargs.get("logprobs") else out)]
+        return (replies, [[0.0] * len(r) for r in replies]) if kwargs.get("logprobs") else replies
 
     return [(dataset, "read_prompts", read_prompts), (generation, "generate", generate)]
 

@@ -325,8 +325,9 @@ class Engine:
             self.cache.continuing = any(starts)
         # through forward, not the trunk directly, so that FSDP2's root hooks gather the embeddings
         # and head
-        return (model or self.model)(*inputs[:3], max_len, logits_at=inputs[3],
-                                     cache=self.cache if self.kv_cache else None).float()
+        model = self.model if model is None else model
+        return model(*inputs[:3], max_len, logits_at=inputs[3],
+                     cache=self.cache if self.kv_cache else None).float()
 
     def draw(self, replies, logits, sampling):
         """Each reply's next token from its (B, V) logits, with its own stream's noise; a reply

@@ -17,7 +17,7 @@ FLOORS = [  # lowest first: a module may import only from floors below its own
     ("data.prepare",),  # takes hub names, as the scripts do
     ("data.arithmetic", "nanopack.lora", "nanopack.metrics"),
     # rewards: loads data.arithmetic's reward by name
-    ("nanopack.checkpoint", "data.dataset", "nanopack.rewards"),
+    ("nanopack.checkpoint", "data.dataset", "nanopack.rewards", "nanopack.rollout"),
     ("nanopack.keys", "nanopack.configurator", "nanopack.env"),
     ("nanopack.run", "nanopack.startup"),
     ("nanopack.reference", "nanopack.fakes"),
