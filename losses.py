@@ -157,8 +157,9 @@ def policy_loss(logps, old_logps, seq_ids, advantages, weights, lengths, clip_lo
 
 def sampler_mismatch(trainer_logps, sampler_logps):
     """Per sampled token -> (the k3 estimate of KL(sampler || trainer), the ratio p_trainer /
-    p_sampler): what the sampler saw against what the trainer recomputes."""
-    log_r = trainer_logps - sampler_logps
+    p_sampler): what the sampler saw against what the trainer recomputes. float64: in float32
+    exp(r) - r - 1 cancels to 0 for the ~1e-7 log-ratios of one function computed two ways."""
+    log_r = trainer_logps.double() - sampler_logps.double()
     return log_r.exp() - log_r - 1, log_r.exp()
 
 
