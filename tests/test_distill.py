@@ -113,7 +113,7 @@ def test_the_on_policy_advantage_is_the_teachers_log_ratio_per_token():
     from types import SimpleNamespace
     from losses import distill_advantages, distill_objective, policy_loss
     settings = dict(k=2, clip_eps=0.2, clip_eps_high=0.28, clip_mode="ppo", importance_sampling_level="token",
-                    kl_coef=0.0, distill_coef=0.25)
+                    kl_coef=0.0, distill_coef=0.25, is_correction="none")
     mb = SimpleNamespace(units=torch.tensor([1, 0]), seq_ids=torch.tensor([0, 0, 1, 1, 1, 2, 3]))
     sampling = torch.tensor([-1.0, -2.0, -0.5, -3.0, -1.5, -0.2, -2.5])
     teacher = torch.tensor([-0.5, -2.5, -0.1, -1.0, -4.0, -0.2, -1.5])
