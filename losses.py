@@ -289,5 +289,9 @@ RL_READ_BY["importance_sampling_level"] = ("loss", tuple(x for x in GRPO_FAMILY 
 for key in ("teacher", "distill_coef"):
     RL_READ_BY[key] = ("loss", ("distill",), "on-policy distillation")
 RL_READ_BY["kl_coef"] = ("loss", GRPO_FAMILY, "beta weighs online DPO's reference")
+# multi-turn: a trajectory's observation tokens are masked out, which online DPO's pairs are not
+for key in ("env", "tools"):
+    RL_READ_BY[key] = ("loss", GRPO_FAMILY, "a trajectory trains through the GRPO family's masks")
+RL_READ_BY["max_turns"] = (("env", "tools"), None, "a single-turn run takes one reply")
 RL_READ_BY["beta"] = ("loss", ("online_dpo",),
                       "kl_coef is the KL weight here; beta is online DPO's")

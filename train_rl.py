@@ -33,8 +33,10 @@ from packing import group_data, rank_microbatches, shared_prefixes, unit_lengths
 from nanopack.parallel import (all_reduce_max, all_reduce_sum, fail, print0, sync_gradients,
                                teardown_distributed)
 from nanopack.reference import Reference
+from nanopack.env import EnvError, Multiturn
 from nanopack.rewards import RewardError, Rewards
-from nanopack.rollout import Rollouts, sampler_logps, teaches
+from nanopack.rollout import (Rollouts, sampled_tokens, sampler_logps, teaches, trajectory_log,
+                              trajectory_sums)
 from nanopack.run import clip_grad_norm, lr_at, set_lr, start_run
 from nanopack.teacher import load_teacher
 from nanopack.startup import (initial_weights, load_model, load_tokenizer, lora_settings,
@@ -57,7 +59,12 @@ k = 8  # replies sampled per prompt (a group)
 prompts_per_step = 32  # prompts per step, all ranks together
 temperature = 1.0
 top_p = 1.0
-max_new_tokens = 20  # a reply that has not stopped by then is cut here (truncated)
+max_new_tokens = 20  # a reply (with env: a trajectory after its prompt) is cut here (truncated)
+# multi-turn (docs/rl.md): 'builtin' (follow-up questions on the model's own answers) or
+# 'module:Class' made per trajectory from its record's fields, step(reply) -> (obs, reward, done)
+env = None
+tools = None  # 'module:function,...': Python functions the model calls in its template's format
+max_turns = 4  # env / tools: replies in a trajectory
 # 'online_dpo', or a paper's setting of the GRPO family's keys below (each printed at --help's end):
 # 'grpo' (DeepSeekMath), 'dapo' (DAPO; TRL's default), 'dr_grpo' (Dr. GRPO), 'gspo' (GSPO),
 # 'cispo' (MiniMax-M1), 'distill' (on-policy distillation from `teacher`: docs/distill.md)
@@ -106,9 +113,12 @@ eval_examples = 200
 # evaluate (greedy replies to held-out prompts: reward, accuracy) and checkpoint; 0 = at the end
 eval_interval = 10
 wandb_run_name = "rl"
+# env='builtin' scores with its own rewards, its trajectories up to 4 replies and 3 follow-ups
+ENV_PRESET = dict(reward="none", max_new_tokens=128)
 # from a pretrained model, keys not set explicitly take these instead (TRL's GRPO default rate)
 config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, min_lr=1e-7),
-                   presets=dict(loss=RL_PRESETS), read_by=RL_READ_BY, rules=dict(
+                   presets=dict(loss=RL_PRESETS, env=dict(builtin=ENV_PRESET)),
+                   read_by=RL_READ_BY, rules=dict(
     keys.RULES, loss=(*GRPO_FAMILY, "online_dpo"), k="[2, inf)",
     prompts_per_step="[1, inf)", temperature="(0, inf)", top_p="(0, 1]",
     max_new_tokens="[1, inf)", beta="(0, inf)",
@@ -119,7 +129,8 @@ config = configure(globals(), machinery=keys, finetune=dict(learning_rate=1e-6, 
     clip_mode=("ppo", "cispo"), max_extra_rounds="[0, inf)", kl_coef="[0, inf)",
     is_correction=("none", "token_truncate", "token_mask", "sequence_truncate", "sequence_mask"),
     is_cap="(0, inf)",
-    updates_per_batch="[1, inf)", max_iters="[1, inf)", distill_coef="[0, 1]"))
+    updates_per_batch="[1, inf)", max_iters="[1, inf)", distill_coef="[0, 1]",
+    max_turns="[1, inf)"))
 # -----------------------------------------------------------------------------
 
 
@@ -131,9 +142,14 @@ score_at = temperature if loss in GRPO_FAMILY else 1.0
 if mask_truncated and loss == "online_dpo":
     fail("config error: mask_truncated=True with loss='online_dpo': a DPO pair trains whole "
          "replies; drop --mask_truncated or choose a loss of the GRPO family")
+if env and tools:
+    fail(f"config error: env={env!r} and tools={tools!r}: tools are the environment ToolEnv; "
+         f"choose one (an environment of your own can call your functions)")
 try:
     reward_fns = Rewards(reward, reward_weights)
-except RewardError as e:
+    # trajectories: each record's environment (ToolEnv with tools), its turns
+    multiturn = Multiturn(env, tools, max_turns) if env or tools else None
+except (RewardError, EnvError) as e:
     fail(f"config error: {e}")
 # ranks, device, precision, out_dir lock, signals, seed; on resume, its ckpt.pt
 run = start_run(config, __file__, data_kind="rl",
@@ -163,12 +179,15 @@ def scorable(record_fields, where):
 # the prompts, every answer checked by the reward, before the model loads: a bad record costs
 # seconds, not a model load
 try:
+    # with tools: every prompt offers them; env='builtin': the built-in task's follow-ups
+    offered = dict(tools=multiturn and multiturn.schemas, builtin_env=env == "builtin")
     train_prompts = read_prompts(data, None, tok, check_prompt_length, config["data_split"],
-                                 "data_split", config["fields"], scorable, config["bad_records"])
+                                 "data_split", config["fields"], scorable, config["bad_records"],
+                                 **offered)
     has_val = eval_examples and (val_data or data == "builtin")
     val_prompts = read_prompts(val_data or data, eval_examples, tok, check_prompt_length,
                                config["val_split"], "val_split", config["fields"], scorable,
-                               config["bad_records"]) if has_val else []
+                               config["bad_records"], **offered) if has_val else []
     # the built-in task's too
     for _, _, record_fields, where in train_prompts + val_prompts:
         reward_fns.check_fields(record_fields, where)
@@ -197,7 +216,8 @@ ref = Reference.of_model("adapters_off" if config["lora_rank"] else "live", run,
 teacher_model = load_teacher(run, teacher, model_config) if loss == "distill" else None
 
 
-rollouts = Rollouts(run, config, train_prompts, reward_fns, model, raw_model, tok, sync_ranks)
+rollouts = Rollouts(run, config, train_prompts, reward_fns, model, raw_model, tok, sync_ranks,
+                    multiturn)
 
 
 def reward_std(rewards, ddof=0):
@@ -209,17 +229,12 @@ def reward_std(rewards, ddof=0):
     return math.sqrt(squares / max(n - ddof, 1))
 
 
-def truncated(reply):
-    """A reply with no stop token: cut at max_new_tokens (or at the model's last position)."""
-    return not reply or reply[-1] not in stop_ids
-
-
-def every_reply(replies, rewards, keep, cut, lengths):
-    """The GRPO family trains every reply of the kept groups (a cut one: none of its tokens) ->
-    (the groups to pack, replies per group, their masks, this rank's share of the step's normaliser,
-    a function of the step's normaliser -> (advantages, loss weights, trained tokens) of each reply
-    of the kept groups)."""
-    masks = [[np.ones(len(r)) * (1 - c) for r, c in zip(replies[g], cut[g])] for g in keep]
+def every_reply(replies, rewards, keep, cut, lengths, sampled):
+    """The GRPO family trains every reply of the kept groups (a cut one: none of its tokens) on
+    its sampled tokens -> (the groups to pack, replies per group, their masks, this rank's share of
+    the step's normaliser, a function of the step's normaliser -> (advantages, loss weights, trained
+    tokens) of each reply of the kept groups)."""
+    masks = [[m * (1 - c) for m, c in zip(sampled[g], cut[g])] for g in keep]
     per_step = dict(token_mean=lengths.sum(), reply_mean=lengths.size,
                     constant=lengths.size * max_new_tokens)
 
@@ -236,7 +251,7 @@ def every_reply(replies, rewards, keep, cut, lengths):
     return [replies[g] for g in keep], k, masks, per_step[loss_aggregation], per_reply
 
 
-def best_and_worst(replies, rewards, keep, cut, lengths):
+def best_and_worst(replies, rewards, keep, cut, lengths, sampled):
     """Online DPO trains each kept group's best and worst reply as a pair -> as every_reply; the
     step's normaliser is its pairs."""
     pairs = [[replies[g][rewards[g].argmax()], replies[g][rewards[g].argmin()]] for g in keep]
@@ -246,7 +261,7 @@ def best_and_worst(replies, rewards, keep, cut, lengths):
 replies_to_train = every_reply if loss in GRPO_FAMILY else best_and_worst
 
 
-def training_batches(prompts, replies, logps, rewards):
+def training_batches(prompts, replies, logps, trajectories, rewards):
     """The step's groups -> (host micro-batches, as many on every rank; each one's sampler log-probs
     (None: online DPO, or a CP slice); what the objective needs besides (every_reply's per-reply
     values, or the step's pairs); groups that teach something; tokens unshared). A group whose k
@@ -256,11 +271,14 @@ def training_batches(prompts, replies, logps, rewards):
     taught = teaches(rewards) | (loss == "distill")
     # kl_coef is the GRPO family's only (configure refuses it with online_dpo)
     keep = [g for g in range(len(prompts)) if taught[g] or kl_coef]
-    cut = np.array([[mask_truncated and truncated(r) for r in group] for group in replies],
-                   dtype=bool).reshape(-1, k)
-    lengths = np.array([[len(r) for r in group] for group in replies], dtype=np.int64)
+    # each reply's sampled tokens (not a trajectory's observations); cut: no stop token, or a limit
+    each = [sampled_tokens(g, t, stop_ids) for g, t in zip(replies, trajectories)]
+    sampled, cut = zip(*each) if each else ((), ())
+    cut = np.array(cut, dtype=bool).reshape(-1, k) & mask_truncated
+    lengths = np.array([[m.sum() for m in group] for group in sampled], dtype=np.int64)
     lengths = lengths.reshape(-1, k) * ~cut
-    units, size, masks, count, step_values = replies_to_train(replies, rewards, keep, cut, lengths)
+    units, size, masks, count, step_values = replies_to_train(replies, rewards, keep, cut, lengths,
+                                                              sampled)
     normaliser, trained = all_reduce_sum([count * first_in_cp, taught.sum() * first_in_cp], device)
     objective_input = step_values(max(normaliser, 1))
     data = group_data([prompts[g][0] for g in keep], units, masks)
@@ -308,8 +326,10 @@ def evaluate():
     if not val_prompts:
         return {}
     mine = val_prompts[rank::world_size]
-    replies, _ = rollouts.generate(mine)
-    rewards, _ = reward_fns.score(mine, replies, 1, tok.decode_reply)
+    # multi-turn: each prompt's trajectory, greedy, to its end
+    played = rollouts.play(mine, range(len(mine)), 1, 0.0) if multiturn else None
+    replies = rollouts.generate(mine)[0] if played is None else None
+    rewards, _ = rollouts.score(mine, replies, 1, played)
     total, right, n = all_reduce_sum(
         [rewards.sum().item(), (rewards >= 1).sum().item(), len(mine)], device)
     out = dict(val_reward=total / n, val_accuracy=right / n)
@@ -327,21 +347,26 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
     """Every step's log line (a step takes seconds): its loss, the rewards and lengths of its
     samples on all ranks (every round), its groups, its speed; the policy's ratios and clipping in
     the step's last update."""
-    replies, rewards, each, rounds = sampled
+    replies, rewards, each, trajectories, rounds = sampled
     # a CP group's ranks hold the same samples: means unchanged
     flat = np.concatenate([r.flatten() for r in rewards])
     each = np.concatenate(each)
     every = [r for group in replies for r in group]
     lengths = np.array([len(r) for r in every])
+    cut = [c for g, t in zip(replies, trajectories) for c in sampled_tokens(g, t, stop_ids)[1]]
     # the step's sums by name, all-reduced in one collective with the samples' own
     samples = dict(r_sum=flat.sum(), right=(flat >= 1).sum(), n=len(flat),
-                   reply_tokens=lengths.sum(), cut=sum(map(truncated, every)),
-                   sampled_groups=len(replies) * first_in_cp, unshared=unshared)
+                   reply_tokens=lengths.sum(), cut=sum(cut),
+                   sampled_groups=len(replies) * first_in_cp, unshared=unshared,
+                   **trajectory_sums(trajectories))
     step_sums = [sums[name].item() for name in STEP_STATS]
     perf, values = meter.read(train_s, 1, [*step_sums, *samples.values(), *each.sum(0).tolist()])
     totals = dict(zip([*STEP_STATS, *samples], values))
     each_sums = values[len(totals):]
-    r_sum, right, n, reply_tokens, cut, sampled_groups, unshared = map(totals.get, samples)
+    r_sum, right, n, reply_tokens, cut, sampled_groups, unshared = map(totals.get,
+                                                                       list(samples)[:7])
+    # turns, observations, tool calls, the environment's time
+    multi, multi_line = trajectory_log(totals, n, world_size) if multiturn else ({}, "")
     # as TRL logs them: unweighted
     each_mean = {name: s / n for name, s in zip(reward_fns.names, each_sums)}
     tally[0], tally[1] = tally[0] + trained, tally[1] + sampled_groups
@@ -363,7 +388,7 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
                    distill_loss=per_token.get("distill_loss"),
                    gen_ms=1000 * gen_s, reward_ms=1000 * reward_s, train_ms=1000 * train_s,
                    tokens_unshared=unshared, lr=lr, grad_norm=grad_norm.item(),
-                   skipped_steps=run.guard.skipped_steps, **perf,
+                   skipped_steps=run.guard.skipped_steps, **perf, **multi,
                    **{f"rewards/{name}/mean": m for name, m in each_mean.items()})
     capped = "; max_extra_rounds reached" if trained < prompts_per_step else ""
     groups_line = f"groups {trained:.0f}/{sampled_groups:.0f} trained"
@@ -373,6 +398,7 @@ def log_step(sums, sampled, trained, unshared, gen_s, reward_s, train_s, grad_no
     parts = ", ".join(f"{name} {m:.3f}" for name, m in each_mean.items())
     parts = f" ({parts})" * (len(each_mean) > 1)
     parts += "" if loss != "distill" else f" | distill {metrics['distill_loss']:.4f}"
+    parts += multi_line
     print0(f"iter {iter_num}/{max_iters} | loss {totals['loss']:.4f} | reward {mean:.3f}{parts} | "
            f"accuracy {100 * metrics['accuracy']:.1f}% | {groups_line} | reply "
            f"{reply_tokens / n:.1f} tokens (max {longest}, {100 * cut / n:.0f}% cut) | sampler kl "
@@ -396,10 +422,8 @@ start_iter, t_start = iter_num, time.perf_counter()
 while iter_num < max_iters:
     lr = set_lr(optimizer, lr_at(iter_num, max_iters, learning_rate, min_lr, warmup_iters))
     t0 = time.perf_counter()
-    (prompts, replies, logps, rewards), sampled, reward_s, prompts_drawn = rollouts.collect(
-        prompts_drawn)
-    batches, sampler, objective_input, trained, unshared = training_batches(prompts, replies, logps,
-                                                                            rewards)
+    to_train, sampled, reward_s, prompts_drawn = rollouts.collect(prompts_drawn)
+    batches, sampler, objective_input, trained, unshared = training_batches(*to_train)
     gen_s = time.perf_counter() - t0 - reward_s
     meter.count(batches, data_time=0.0)
     mbs = [mb.to(device) for mb in batches]
@@ -452,8 +476,10 @@ if not tally[0]:
            "rewards: check the reward function on a few replies, or use prompts this model "
            "sometimes gets right", file=sys.stderr)
 if before and results:
-    print0(f"held-out, greedy: exact-match accuracy {100 * before['val_accuracy']:.1f}% -> "
-           f"{100 * results['val_accuracy']:.1f}% | mean reward {before['val_reward']:.3f} -> "
+    # a trajectory's reward sums its turns': no one exact match
+    exact = f"exact-match accuracy {100 * before['val_accuracy']:.1f}% -> " \
+        f"{100 * results['val_accuracy']:.1f}% | " * (multiturn is None)
+    print0(f"held-out, greedy: {exact}mean reward {before['val_reward']:.3f} -> "
            f"{results['val_reward']:.3f} (before RL -> after)")
 logger.finish()
 export_hf(run, model, raw_model, tok, start, lora_settings(config))

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import torch.distributed as dist
 
-from data.arithmetic import prepare_builtin, rl_prompts
+from data.arithmetic import env_prompts, prepare_builtin, rl_prompts
 from data.prepare import as_messages, load, peek_kind, prepare, read_meta, template_inputs
 from data.records import BadRecords, DataError, data_files, parse_fields, read_records
 from packing import layout
@@ -235,16 +235,20 @@ def check_group_fits(ids, where, k, max_new_tokens, prefix_sharing, microbatch_t
 
 
 def read_prompts(source, n, tok, limit, split=None, key="data_split", fields=None, check=None,
-                 bad_records="error"):
+                 bad_records="error", tools=None, builtin_env=False):
     """RL prompts -> [(prompt ids, prompt messages, reward fields, where)], the first n (None: all).
     source: 'builtin' (the hard split: val when n is given, else train) or {"messages"} /
     {"prompt"} records, other fields for the reward; split: a folder's, set by config key `key`.
     limit(ids, where) checks a prompt's length. fields: the key `fields`; check(fields, where) ->
-    the error of a record the reward cannot score, or None: a bad record (bad_records)."""
+    the error of a record the reward cannot score, or None: a bad record (bad_records). tools: JSON
+    schemas every prompt offers (train_rl.py --tools); builtin_env: the built-in task's multi-turn
+    prompts (--env=builtin), their fields the environment's."""
     if source == "builtin":
         split = "val" if n else "train"
-        found = [(p, dict(answer=a), f"builtin:{split}:{i}")
-                 for i, (p, a) in enumerate(rl_prompts(split, n or 2000, 0, hard=True))]
+        found = [(p, f, f"builtin:{split}:{i}")
+                 for i, (p, f) in enumerate(env_prompts(split, n or 2000))] if builtin_env else \
+            [(p, dict(answer=a), f"builtin:{split}:{i}")
+             for i, (p, a) in enumerate(rl_prompts(split, n or 2000, 0, hard=True))]
     else:
         found, bad = [], BadRecords(bad_records)
         try:
@@ -282,7 +286,7 @@ def read_prompts(source, n, tok, limit, split=None, key="data_split", fields=Non
         # a bad 'tools' field (DataError names the line), a template that refuses the prompt or
         # leaves part out
         try:
-            ids = tok.render_prompt(m, **template_inputs(fields, where))
+            ids = tok.render_prompt(m, **template_inputs(fields, where, tools))
             prompts.append((ids, m, fields, where))
         except ValueError as e:
             named = f"data error: {e}" if isinstance(e, DataError) else f"data error: {where}: {e}"

@@ -57,8 +57,9 @@ def check_messages(messages, field, where):
     return out
 
 
-def template_inputs(record, where):
-    """A record's "tools" and "chat_template_kwargs" -> keyword arguments for Tokenizer.render."""
+def template_inputs(record, where, more_tools=None):
+    """A record's "tools" (and more_tools: JSON schemas) and "chat_template_kwargs" -> keyword
+    arguments for Tokenizer.render."""
     tools, kwargs = record.get("tools"), record.get("chat_template_kwargs") or {}
     if tools is not None and not (isinstance(tools, list)
                                   and all(isinstance(t, dict) for t in tools)):
@@ -69,6 +70,7 @@ def template_inputs(record, where):
         raise DataError(f"{where}: 'chat_template_kwargs' is "
                         f"{json.dumps(kwargs, default=str)[:60]}, not an object of template "
                         f"variables like {{\"enable_thinking\": false}} — fix the line's format")
+    tools = (tools or []) + (more_tools or [])
     return dict(kwargs, tools=tools) if tools else dict(kwargs)
 
 

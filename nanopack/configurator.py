@@ -147,10 +147,11 @@ def set_defaults(config, values, given, defaults):
 def check_read(values, given, read_by):
     """A key set explicitly that the run does not read changes nothing: the user meant something."""
     for key, (other, readers, hint) in read_by.items():
-        # readers None: any value of other but None
-        if key in given and readers is None and values[other] is None:
-            raise ConfigError(f"{key}={values[key]!r} does nothing without {other}: {hint}; set "
-                              f"{other}, or drop {key}")
+        # readers None: any value of other (of any of a tuple of others) but None
+        others = other if isinstance(other, tuple) else (other,)
+        if key in given and readers is None and all(values[o] is None for o in others):
+            raise ConfigError(f"{key}={values[key]!r} does nothing without {' or '.join(others)}: "
+                              f"{hint}; set {others[0]}, or drop {key}")
         if key in given and readers is not None and values[other] not in readers:
             names = ", ".join(map(repr, readers[:-1])) + " or " * (len(readers) > 1)
             hint = f" ({hint})" if hint else ""

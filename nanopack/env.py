@@ -133,6 +133,29 @@ def load_tools(names):
         raise EnvError(str(e)) from None
 
 
+class Multiturn:
+    """train_rl.py's --env / --tools: each record's trajectories made with an environment from its
+    fields (ToolEnv for --tools), at most max_turns replies each. env: 'builtin' (the built-in
+    task's follow-up questions) or 'module:Class'; tools: 'module:function,...'."""
+
+    def __init__(self, env, tools, max_turns):
+        name = "data.arithmetic:FollowUps" if env == "builtin" else env
+        self.name = name or "ToolEnv"
+        self.env_class = load_env(name) if name else None
+        self.tools = load_tools(tools) if tools else []
+        self.schemas = [tool_schema(fn) for fn in self.tools]
+        self.max_turns = max_turns
+
+    def make(self, fields, where):
+        """An environment from a record's fields, those of the template left out."""
+        own = {k: v for k, v in fields.items() if k not in ("tools", "chat_template_kwargs")}
+        try:
+            return self.env_class(**own) if self.env_class else ToolEnv(self.tools, **own)
+        except Exception as e:
+            raise EnvError(f"env {self.name}(**fields) raised {type(e).__name__}: {e} ({where}; "
+                           f"its fields: {', '.join(own) or 'none'})") from None
+
+
 def as_messages(observation):
     if isinstance(observation, str):
         return [dict(role="user", content=observation)]
@@ -163,15 +186,16 @@ def nth_stop(ids, n, stop_ids):
     return None
 
 
-def observation_ids(tok, conversation, reply_text, new, tools=None):
+def observation_ids(tok, conversation, reply_text, new, **template):
     """The ids the template writes after a sampled reply for the new messages, through the next
     generation header -> (ids, the template's render of the conversation through the reply).
     conversation: the messages before the reply. The reply ends with its turn's stop token, so the
-    observation is whatever follows the same number of stop tokens in the render with it."""
-    before = tok.render(conversation, add_generation_prompt=True, tools=tools)[0]
+    observation is whatever follows the same number of stop tokens in the render with it.
+    template: the prompt's template inputs (tools, chat_template_kwargs)."""
+    before = tok.render(conversation, add_generation_prompt=True, **template)[0]
     n = sum(t in tok.stop_ids for t in before) + 1
     full = tok.render(conversation + [reply_message(reply_text)] + new,
-                      add_generation_prompt=True, tools=tools)[0]
+                      add_generation_prompt=True, **template)[0]
     end = nth_stop(full, n, tok.stop_ids)
     if end is None:
         raise EnvError("the chat template wrote no end-of-turn token after the model's reply, so "
@@ -181,13 +205,16 @@ def observation_ids(tok, conversation, reply_text, new, tools=None):
 
 @dataclass
 class Trajectory:
-    """One trajectory after its prompt: ids (sampled and observation tokens in order) and mask (1
-    sampled, 0 observation), what the environment said and did."""
+    """One trajectory after its prompt: ids (sampled and observation tokens in order), mask (1
+    sampled, 0 observation), the sampler's log-prob of each (NaN: an observation's), what the
+    environment said and did."""
     prompt: list
     messages: list
     env: object
+    template: dict = field(default_factory=dict)  # the prompt's template inputs (tools, ...)
     ids: list = field(default_factory=list)
     mask: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)
     reward: float = 0.0
     turns: int = 0
     observation_tokens: int = 0
@@ -195,32 +222,50 @@ class Trajectory:
     truncated: bool = False
     done: bool = False
     env_seconds: float = 0.0
+    tool_calls: int = 0
+    bad_calls: int = 0
+
+    def last_reply(self):
+        """The ids of the trajectory's last sampled reply (it ends with one)."""
+        n = next((i for i, m in enumerate(reversed(self.mask)) if not m), len(self.mask))
+        return self.ids[len(self.ids) - n:]
+
+    def finish(self):
+        """Keep the environment's counts, drop the environment (it may not pickle across ranks)."""
+        self.tool_calls = getattr(self.env, "calls", 0)
+        self.bad_calls = getattr(self.env, "bad_calls", 0)
+        self.env = None
 
 
-def rollout(generate, tok, trajectories, max_turns, max_tokens, where, tools=None):
-    """Run trajectories to their end, turn by turn, all live ones in one generate call per turn.
-    generate(contexts, rows, budgets) -> one reply's sampled ids per row (its stop token included),
-    contexts the ids so far; rows index trajectories (their random streams); budgets the new tokens
-    each may take. A trajectory ends when its environment says done, at max_turns, when a reply is
-    cut (no stop token), or at max_tokens after its prompt; the last three count as truncated.
-    where(i): the record of trajectory i, for errors."""
-    live = list(range(len(trajectories)))
-    while live:
+def rollout(turn, tok, trajectories, max_turns, max_tokens, where, more=bool):
+    """Run trajectories to their end, turn by turn, all live ones in one call per turn.
+    turn(rows, new, budgets) -> each row's next reply as (sampled ids, their log-probs), its stop
+    token included: rows index trajectories, new[i] the ids appended to trajectory rows[i] since its
+    last reply (its prompt at the first turn, then an observation: a generator that keeps each
+    trajectory's KV cache reads only those), budgets the new tokens each may take. A trajectory
+    ends when its environment says done, at max_turns, when a reply is cut (no stop token), or at
+    max_tokens after its prompt; the last three count as truncated. where(i): trajectory i's record,
+    for errors. more(live): whether to take another turn (FSDP: while any rank has live ones)."""
+    live, new = list(range(len(trajectories))), [t.prompt for t in trajectories]
+    while more(live):
         budgets = [max_tokens - len(trajectories[i].ids) for i in live]
-        replies = generate([trajectories[i].prompt + trajectories[i].ids for i in live], live,
-                           budgets)
-        still = []
-        for i, reply in zip(live, replies):
-            if take_turn(tok, trajectories[i], reply, max_turns, max_tokens, where(i), tools):
+        replies = turn(live, new, budgets)
+        still, new = [], []
+        for i, (ids, logps) in zip(live, replies):
+            t = trajectories[i]
+            before = len(t.ids) + len(ids)
+            if take_turn(tok, t, ids, logps, max_turns, max_tokens, where(i)):
                 still.append(i)
+                new.append(t.ids[before:])
         live = still
     return trajectories
 
 
-def take_turn(tok, t, reply, max_turns, max_tokens, where, tools):
+def take_turn(tok, t, reply, logps, max_turns, max_tokens, where):
     """Append a sampled reply and the environment's answer -> whether the trajectory goes on."""
     t.ids += reply
     t.mask += [1] * len(reply)
+    t.logprobs += list(logps)
     t.turns += 1
     text = tok.decode_reply(reply)
     if not reply or reply[-1] not in tok.stop_ids:
@@ -241,13 +286,15 @@ def take_turn(tok, t, reply, max_turns, max_tokens, where, tools):
         t.messages.append(dict(role="assistant", content=text))
         return False
     new = as_messages(observation)
-    ids, rendered = observation_ids(tok, t.messages, text, new, tools)
+    ids, rendered = observation_ids(tok, t.messages, text, new, **t.template)
     t.redrawn += rendered[:-1] != (t.prompt + t.ids)[:-1]
-    t.messages += [reply_message(text)] + new
+    t.messages.append(reply_message(text))
     if t.turns >= max_turns or len(t.ids) + len(ids) >= max_tokens:
         t.truncated = t.done = True
         return False
+    t.messages += new
     t.ids += ids
     t.mask += [0] * len(ids)
+    t.logprobs += [float("nan")] * len(ids)
     t.observation_tokens += len(ids)
     return True

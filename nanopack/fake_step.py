@@ -57,8 +57,10 @@ from nanopack import reference
 from nanopack import run as run_start
 from nanopack import startup
 from data import dataset
+from nanopack.env import Trajectory
 from nanopack.hf import read_hf_config
 from nanopack.metrics import Throughput
+from nanopack.rollout import Rollouts
 from model import PRESETS, Transformer, config_from_preset
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries", "collectives",
@@ -274,9 +276,9 @@ def startup_patches(state, real, gpus, fake):
 def rl_patches(state, real, fake):
     """RL's patches: the longest prompts, every reply max_new_tokens long."""
     # every prompt as long as the data's longest, or (not on this machine) as a group may hold
-    def read_prompts(source, n, tok, limit, *args):
+    def read_prompts(source, n, tok, limit, *args, **kwargs):
         if on_disk(source) or source == "builtin":
-            found = real["read_prompts"](source, n, tok, limit, *args)
+            found = real["read_prompts"](source, n, tok, limit, *args, **kwargs)
             return [max(found, key=lambda p: len(p[0]))] * len(found)
         c, positions = state["config"], state["max_seq_len"]
         group, new = c["microbatch_tokens"] * c["context_parallel"], c["max_new_tokens"]
@@ -299,7 +301,15 @@ def rl_patches(state, real, fake):
                    for i, r in enumerate(out[0] if kwargs.get("logprobs") else out)]
         return (replies, [[0.0] * len(r) for r in replies]) if kwargs.get("logprobs") else replies
 
-    return [(dataset, "read_prompts", read_prompts), (generation, "generate", generate)]
+    # multi-turn's worst case: every trajectory max_new_tokens long, every token trained
+    def play(self, prompts, keys, k, temperature):
+        replies, logps = self.generate(prompts, temperature=temperature, seed=0, keys=keys,
+                                       num_samples=k)
+        return [Trajectory(prompts[i // k][0], [], None, ids=r, mask=[1] * len(r), logprobs=lp,
+                           turns=1) for i, (r, lp) in enumerate(zip(replies, logps))]
+
+    return [(dataset, "read_prompts", read_prompts), (generation, "generate", generate),
+            (Rollouts, "play", play)]
 
 
 def step_patches(state, real, fake):

@@ -231,16 +231,17 @@ class Engine:
         self.run(groups, sampling)
         return [r for g in groups for r in g]
 
-    def extend(self, reply, tokens, more, sampling):
-        """Multi-turn: tokens (an observation) appended to a live reply's slot, read in one more
-        prefill into it, then up to `more` new tokens sampled after them (logprobs: NaN for the
+    def extend(self, replies, observations, more, sampling):
+        """Multi-turn: each reply's observation (token list) appended to its live slot, all read in
+        one more prefill, then up to more[i] new tokens sampled after them (logprobs: NaN for the
         appended tokens, which were not sampled)."""
-        assert reply.slot is not None or not self.kv_cache, "extend() needs keep_slots=True"
-        reply.tokens += tokens
-        reply.logprobs += [float("nan")] * len(tokens)
-        reply.max_new_tokens, reply.done = len(reply.tokens) + more, False
-        self.run([[reply]], sampling)
-        return reply
+        for r, tokens, n in zip(replies, observations, more):
+            assert r.slot is not None or not self.kv_cache, "extend() needs keep_slots=True"
+            r.tokens += tokens
+            r.logprobs += [float("nan")] * len(tokens)
+            r.max_new_tokens, r.done = len(r.tokens) + n, False
+        self.run([[r] for r in replies], sampling)
+        return replies
 
     @torch.no_grad()
     def run(self, waiting, sampling):

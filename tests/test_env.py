@@ -2,6 +2,8 @@
 through the real Qwen2.5 template as the difference of the conversation with and without them, trajectories that keep
 the sampled ids (never re-encoded), observation tokens masked out, limits counted as truncated, a raising
 environment one line naming it, the record and the turn."""
+import math
+
 import pytest
 
 from test_reasoning_tools import FOLDERS, U, call, folders  # noqa: F401 (the fixture)
@@ -83,7 +85,7 @@ def test_observation_is_the_templates_difference(qwen):
     prompt = qwen.render(conversation, add_generation_prompt=True, tools=tools)[0]
     reply_ids = qwen.render(conversation + full_reply, tools=tools)[0][len(prompt):]
     reply_ids = reply_ids[:reply_ids.index(qwen.eos_id) + 1]  # through <|im_end|>, as sampled
-    ids, rendered = observation_ids(qwen, conversation, qwen.decode_reply(reply_ids), result, tools)
+    ids, rendered = observation_ids(qwen, conversation, qwen.decode_reply(reply_ids), result, tools=tools)
     assert prompt + reply_ids + ids == whole
     assert rendered == prompt + reply_ids
     assert "<tool_response>\n5\n</tool_response>" in qwen.decode(ids)
@@ -91,14 +93,16 @@ def test_observation_is_the_templates_difference(qwen):
 
 
 class Scripted:
-    """generate() for rollout: each trajectory's replies in turn, as token lists; records what it was asked."""
+    """turn() for rollout: each trajectory's replies in turn, as token lists (log-prob -i for token i); records what
+    it was asked."""
 
     def __init__(self, replies):
         self.replies, self.asked = replies, []
 
-    def __call__(self, contexts, rows, budgets):
-        self.asked.append((rows, [list(c) for c in contexts], budgets))
-        return [self.replies[r].pop(0)[:b] for r, b in zip(rows, budgets)]
+    def __call__(self, rows, new, budgets):
+        self.asked.append((rows, [list(c) for c in new], budgets))
+        out = [self.replies[r].pop(0)[:b] for r, b in zip(rows, budgets)]
+        return [(ids, [-float(i) for i in range(len(ids))]) for ids in out]
 
 
 class Followups:
@@ -137,8 +141,11 @@ def test_trajectory_keeps_sampled_ids_and_masks_observations(qwen):
     assert t.mask == [1] * len(sampled[0]) + [0] * len(obs) + [1] * len(sampled[1]) + [0] * len(obs) + \
         [1] * len(sampled[2])
     assert t.observation_tokens == 2 * len(obs)
-    # each turn goes on from the trajectory so far, sampled ids included as sampled
-    assert gen.asked[1][1][0] == prompt + sampled[0] + obs
+    # the first turn reads the prompt; each later turn only the observation (the sampled ids are in its KV cache)
+    assert [asked[1][0] for asked in gen.asked] == [prompt, obs, obs]
+    # the sampler's log-probs of sampled tokens kept, NaN for observation tokens
+    assert t.logprobs[:len(sampled[0])] == [-float(i) for i in range(len(sampled[0]))]
+    assert [math.isnan(x) for x in t.logprobs] == [m == 0 for m in t.mask]
     # the template re-renders the odd spellings canonically: counted, the sampled ids kept
     assert t.redrawn == 2
 
@@ -178,3 +185,27 @@ def test_builtin_follow_ups_build_on_what_the_model_said():
     # wrong (6 was right), and the next question is asked of the 7 it said: 7-2 = 5
     assert env.step("3*2 = 7") == ("Now subtract 2 from that.", 0.0, False)
     assert env.step("7-2 = 5") == (None, 1.0, True)
+
+
+def test_a_qwen_tool_call_is_run_and_answered_through_the_real_template(qwen):
+    """--tools through rollout: the prompt offers the tool, the sampled call runs, its result is the template's
+    <tool_response> after the reply; a call that does not parse is answered with why and counted; a reply with no call
+    ends the trajectory."""
+    tools = [tool_schema(add)]
+    conversation = [U("What is 2+3?")]
+    prompt = qwen.render_prompt(conversation, tools=tools)
+    replies = [PARIS, "<tool_call>{oops}</tool_call>", "It is 5."]
+    sampled = [qwen.encode(r) + [qwen.eos_id] for r in replies]
+    t = Trajectory(prompt, list(conversation), ToolEnv([add]), dict(tools=tools))
+    gen = Scripted({0: [list(s) for s in sampled]})
+    rollout(gen, qwen, [t], max_turns=5, max_tokens=2000, where=str)
+    t.finish()
+    assert (t.turns, t.tool_calls, t.bad_calls, t.truncated) == (3, 1, 1, False)
+    first_obs, second_obs = gen.asked[1][1][0], gen.asked[2][1][0]
+    assert "<tool_response>\n5\n</tool_response>" in qwen.decode(first_obs)
+    assert "error: the tool call is not JSON" in qwen.decode(second_obs)
+    # the sampled replies as sampled, each observation the template's render after them
+    assert t.ids == sampled[0] + first_obs + sampled[1] + second_obs + sampled[2]
+    history = conversation + [t.messages[1], t.messages[2]]
+    assert second_obs == observation_ids(qwen, history, replies[1], [t.messages[4]], tools=tools)[0]
+    assert t.messages[1]["tool_calls"][0]["function"] == {"name": "add", "arguments": {"a": 2, "b": 3}}

@@ -80,18 +80,21 @@ def test_a_refilled_slot_never_sees_the_last_replys_cache(config):
 
 @pytest.mark.parametrize("config", CACHE_CONFIGS)
 def test_continuing_a_live_slot_equals_generating_from_the_whole_chat(config):
-    """Multi-turn: an observation appended to a finished reply's slot, read in one more prefill, then more tokens:
+    """Multi-turn: observations appended to finished replies' slots, read in one more prefill, then more tokens:
     greedy, the same tokens as a fresh generation from prompt + reply + observation (float32; margins decide)."""
     model = random_model(**CACHE_CONFIGS[config])
     engine, sampling = Engine(model, keep_slots=True), Sampling(5)
     replies = engine.generate(PROMPTS, sampling, 2, capacity=40)
-    reply, observation = replies[3], [7, 8, 9]
-    first_turn = list(reply.tokens)
-    engine.extend(reply, observation, 5, sampling)
-    assert reply.tokens[:8] == first_turn + observation and all(map(math.isnan, reply.logprobs[5:8]))
-    assert reply.tokens[8:] == generate(model, [PROMPTS[1] + first_turn + observation], 5)[0]
-    others = [r.tokens for r in replies if r is not reply]
-    assert others == [r for i, r in enumerate(generate(model, PROMPTS, 5, num_samples=2)) if i != 3]
+    # two replies of different prompts, observations of different lengths, one prefill
+    chosen, observations = [replies[3], replies[0]], [[7, 8, 9], [11]]
+    first_turns = [list(r.tokens) for r in chosen]
+    engine.extend(chosen, observations, [5, 4], sampling)
+    for reply, first, obs, prompt, more in zip(chosen, first_turns, observations, (PROMPTS[1], PROMPTS[0]), (5, 4)):
+        n = len(first) + len(obs)
+        assert reply.tokens[:n] == first + obs and all(map(math.isnan, reply.logprobs[len(first):n]))
+        assert reply.tokens[n:] == generate(model, [prompt + first + obs], more)[0]
+    others = [r.tokens for i, r in enumerate(replies) if i not in (0, 3)]
+    assert others == [r for i, r in enumerate(generate(model, PROMPTS, 5, num_samples=2)) if i not in (0, 3)]
 
 
 def test_a_stop_token_ends_that_reply_only():

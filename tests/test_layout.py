@@ -17,9 +17,9 @@ FLOORS = [  # lowest first: a module may import only from floors below its own
     ("data.prepare",),  # takes hub names, as the scripts do
     ("data.arithmetic", "nanopack.lora", "nanopack.metrics"),
     # rewards: loads data.arithmetic's reward by name
-    ("nanopack.checkpoint", "data.dataset", "nanopack.rewards", "nanopack.rollout"),
+    ("nanopack.checkpoint", "data.dataset", "nanopack.rewards"),
     ("nanopack.keys", "nanopack.configurator", "nanopack.env"),
-    ("nanopack.run", "nanopack.startup"),
+    ("nanopack.run", "nanopack.startup", "nanopack.rollout"),  # rollout: runs env.py's trajectories
     ("nanopack.reference", "nanopack.fakes"),
     ("nanopack.fake_step", "nanopack.teacher"),
     ("train_sft", "train_dpo", "train_rl", "sample", "plot", "launch", "plan"),
