@@ -60,13 +60,16 @@ def assert_plan_equals_real(script, args):
 
 
 @pytest.mark.slow
-def test_fsdp2_plan_equals_the_real_step_on_two_processes():
+@pytest.mark.parametrize("script,extra", [("train_sft.py", []), ("train_dpo.py", ["--reference=live"])])
+def test_fsdp2_plan_equals_the_real_step_on_two_processes(script, extra):
     """FSDP2 over 2 ranks: the plan (one process, a fake group) against the same step on a real gloo group of two
-    (torchrun), rank 0's tracker: state and collectives exact, activations within 1% or 64 KiB (as above)."""
-    args = TINY + ["--parallel=fsdp", "--batch_size=8"]
-    out = run_script("tests/plan_check.py", ["train_sft.py", *args], nproc=2)
+    (torchrun), rank 0's tracker: state and collectives exact, activations within 1% or 64 KiB (as above). DPO: a
+    frozen sharded copy, and an evaluation before the first step (it leaves the root's parameters gathered, which
+    the plan's first step, run without a forward, shards again as a backward does)."""
+    args = TINY + ["--parallel=fsdp", "--batch_size=8", *extra]
+    out = run_script("tests/plan_check.py", [script, *args], nproc=2)
     real = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("PLAN "))[5:])
-    fake = peak("train_sft.py", args, gpus=2)
+    fake = peak(script, args, gpus=2)
     assert fake["phase"] == real["phase"] and fake["tokens"] == real["tokens"]
     for k in EXACT:
         assert fake["by_category"][k] == real["by_category"][k], k
