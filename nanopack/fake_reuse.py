@@ -1,7 +1,8 @@
 """What fake steps that differ only in microbatch_tokens (plan.py's plan and its search) share: one
-FakeTensorMode, one fake process group, and the models the run builds (the policy with its adapters
-and FSDP2 sharding, a live reference, a teacher), built and sharded once. None of them depends on
-the budget; each step's data, optimizer and tracker stay its own."""
+FakeTensorMode, one fake process group, the models the run builds (the policy with its adapters
+and FSDP2 sharding, a live reference, a teacher), built and sharded once, and the policy's AdamW
+state, allocated once. None of them depends on the budget; each step's data and tracker stay its
+own."""
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensorMode
 
@@ -12,6 +13,8 @@ class Reuse:
         self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
         # kind ('policy', 'frozen') -> what the run built, in the order it built them
         self.built = {}
+        # the policy's parameter -> its AdamW state
+        self.optimizer_state = None
 
     def model(self, kind, index, build):
         """The run's index-th model of this kind, built by build() at the first step."""
@@ -28,3 +31,4 @@ class Reuse:
         if dist.is_initialized():
             dist.destroy_process_group()
         self.built.clear()
+        self.optimizer_state = None

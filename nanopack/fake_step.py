@@ -42,14 +42,13 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.fsdp._fully_shard import _fully_shard as fully_shard_module
 from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from nanopack import configurator
-from nanopack.fakes import (Decoding, cuda_attention, fake_item, fake_tolist, frozen_hook,
-                            module_to, on_host)
+from nanopack.fakes import (Decoding, cuda_attention, fake_item, fake_tolist,
+                            first_step_leftovers, frozen_hook, module_to, on_host)
 from nanopack import context
 from nanopack import generate as generation
 from nanopack import hub
@@ -333,14 +332,20 @@ def step_patches(state, real, fake, reuse):
         # what its forward and backward leave is made without them (the real run, which the tests
         # compare against, keeps its two micro-batches)
         if state["steps"] == 1 and fake:
-            first_step_leftovers(state)
+            first_step_leftovers(state["model"], state.get("frozen", []),
+                                 gradients=not (reuse and reuse.optimizer_state))
             return []
         return bins
 
     def set_lr(optimizer, lr):
         state["steps"] += 1
+        # a reused model's optimizer state, as the first plan's first step allocated it
+        if state["steps"] == 1 and reuse and reuse.optimizer_state:
+            optimizer.state.update(reuse.optimizer_state)
         # the steady state, the optimizer state allocated: measured from here on
         if state["steps"] == 2:
+            if reuse:
+                reuse.optimizer_state = optimizer.state
             state["tracker"] = PhaseTracker(state["model"], optimizer)
             state["tracker"].__enter__()
         if state["steps"] == 3:
@@ -370,27 +375,6 @@ def step_patches(state, real, fake, reuse):
             (Throughput, "count", count),
             (reference, "frozen_model", frozen_model),
             (reference.Reference, "build", classmethod(reference_build))]
-
-
-def first_step_leftovers(state):
-    """What a first forward and backward leave for the optimizer step and the steps after, made
-    without them: each model's RoPE tables and FSDP2's lazy set-up (its sharded parameters re-made),
-    made at a first forward; the policy's FSDP2 parameters sharded again (a no-grad evaluation
-    before the step leaves the root's gathered, its backward frees them); a gradient of zeros on
-    every trained parameter, from which AdamW's first step allocates its state."""
-    policy = state["model"]
-    for model in [policy, *state.get("frozen", [])]:
-        if isinstance(model, FSDPModule):
-            model._get_fsdp_state()._lazy_init()
-        for m in model.modules():
-            if isinstance(m, Transformer):
-                m.rope(next(m.parameters()).device)
-    for m in policy.modules():
-        if isinstance(m, FSDPModule):
-            m.reshard()
-    for p in policy.parameters():
-        if p.requires_grad:
-            p.grad = torch.zeros_like(p)
 
 
 def refuse_resume(config, values, given):

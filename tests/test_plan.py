@@ -123,8 +123,8 @@ RL = ["--init_from=scratch", "--preset=tiny", "--prompts_per_step=8", "--k=4", "
     ("train_rl.py", RL + ["--kl_coef=0.1"], 1, 1)])
 def test_plans_that_reuse_the_models_equal_fresh_plans(script, extra, gpus, frozen):
     """plan.py's plan and its search share the models (the policy, adapters, FSDP2 sharding, a live reference),
-    built once, one fake mode and one fake group: a plan at 512 tokens after one at 256 equals a fresh plan at 512,
-    byte for byte (the figures do not depend on the order the plans run)."""
+    built once, the policy's AdamW state, one fake mode and one fake group: a plan at 512 tokens after one at 256
+    equals a fresh plan at 512, byte for byte (the figures do not depend on the order the plans run)."""
     def plan_at(n, reuse=None):
         r = plan.plan_step(script, extra + [f"--microbatch_tokens={n}"], gpus, "cpu", reuse=reuse)
         return r["by_category"], r["phase"], r["tokens"], r["flops"], r["whole_step_tokens"], r["longest_unit"]
@@ -132,7 +132,7 @@ def test_plans_that_reuse_the_models_equal_fresh_plans(script, extra, gpus, froz
         first, after = plan_at(256, reuse), plan_at(512, reuse)
         # built at the first plan, asked for again by the second
         built = {kind: len(models) for kind, models in reuse.built.items()}
-        assert built == dict(policy=1, **({"frozen": frozen} if frozen else {}))
+        assert built == dict(policy=1, **({"frozen": frozen} if frozen else {})) and reuse.optimizer_state
     assert after == plan_at(512) and first == plan_at(256) and first != after
 
 
