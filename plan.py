@@ -74,7 +74,8 @@ def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=25
     from which a rank's whole step is one micro-batch, True) where that fits: any larger plans
     alike; and the seconds of each plan it made. Never a budget under the longest example's (its
     run stops at load; absent data: a max_len example's). search: fit_and_confirm (a line through
-    two plans, its prediction confirmed by two more) or bisection (nanopack/plan_search.py)."""
+    two plans, its prediction confirmed by two more) or bisection (nanopack/plan_search.py). reuse:
+    the model its plans share (nanopack/fake_reuse.py)."""
     seconds = []
 
     def plan_at(n):
