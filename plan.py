@@ -30,6 +30,7 @@ from contextlib import redirect_stdout
 from unittest import mock
 
 from nanopack import plan_search
+from nanopack.fake_reuse import Reuse
 from nanopack.fake_step import config_keys, plan_step
 
 GIB = 2 ** 30
@@ -41,13 +42,14 @@ ALLOWANCE_GIB, FRAGMENTATION = 1.0, 0.08
 PLAN_KEYS = dict(gpus=1, gpu_memory=80.0, json="", device="cuda")
 
 
-def figures(script, args, gpus, gpu_memory, device):
-    """One plan -> the figures of --json (allowance added for a GPU)."""
+def figures(script, args, gpus, gpu_memory, device, reuse=None):
+    """One plan -> the figures of --json (allowance added for a GPU). reuse: the models of the
+    plans before it, which differed only in microbatch_tokens."""
     # the planned run's own lines (1000000000 iterations, a loss of 1) are no part of the plan;
     # where the plan fails they are shown, ahead of its error
     with redirect_stdout(io.StringIO()) as run_output:
         try:
-            r = plan_step(script, args, gpus, device)
+            r = plan_step(script, args, gpus, device, reuse=reuse)
         except (Exception, SystemExit):
             sys.stderr.write(run_output.getvalue())
             raise
@@ -67,18 +69,20 @@ def figures(script, args, gpus, gpu_memory, device):
 
 
 def max_microbatch_tokens(script, args, gpus, gpu_memory, device, first, step=256,
-                          search=plan_search.fit_and_confirm):
+                          search=plan_search.fit_and_confirm, reuse=None):
     """-> (the largest multiple of `step` tokens whose plan fits (0: none), False), or (the budget
     from which a rank's whole step is one micro-batch, True) where that fits: any larger plans
     alike; and the seconds of each plan it made. Never a budget under the longest example's (its
     run stops at load; absent data: a max_len example's). search: fit_and_confirm (a line through
-    two plans, its prediction confirmed by two more) or bisection (nanopack/plan_search.py)."""
+    two plans, its prediction confirmed by two more) or bisection (nanopack/plan_search.py). reuse:
+    the model its plans share (nanopack/fake_reuse.py)."""
     seconds = []
 
     def plan_at(n):
         progress(f"plan: microbatch_tokens={n * step:,}?")
         t0 = time.perf_counter()
-        f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device)
+        f = figures(script, [*args, f"--microbatch_tokens={n * step}"], gpus, gpu_memory, device,
+                    reuse)
         seconds.append(time.perf_counter() - t0)
         return f
     floor = max(1, -(-first["least_microbatch_tokens"] // step))
@@ -192,10 +196,12 @@ def main(argv):
     plan_args = (script, args, opts["gpus"], opts["gpu_memory"], opts["device"])
     progress(f"plan: {script} on {opts['gpus']} x {opts['gpu_memory']:g} GiB ({opts['device']}), "
              "two steps on fake tensors")
-    f = figures(*plan_args)
-    first_s = time.perf_counter() - t0
-    f["max_microbatch_tokens"], f["any_larger_fits"], searched = max_microbatch_tokens(
-        *plan_args, f)
+    # the plan and its search differ only in microbatch_tokens: one model, built and sharded once
+    with Reuse() as reuse:
+        f = figures(*plan_args, reuse)
+        first_s = time.perf_counter() - t0
+        f["max_microbatch_tokens"], f["any_larger_fits"], searched = max_microbatch_tokens(
+            *plan_args, f, reuse=reuse)
     f["plan_seconds"] = [round(s, 1) for s in [first_s, *searched]]
     f["seconds"] = time.perf_counter() - t0
     print(table(f, f["seconds"]))

@@ -47,8 +47,8 @@ from torch.distributed._tools.mem_tracker import MemTracker
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from nanopack import configurator
-from nanopack.fakes import (Decoding, cuda_attention, fake_item, fake_tolist, frozen_hook,
-                            module_to, on_host)
+from nanopack.fakes import (Decoding, cuda_attention, fake_item, fake_tolist,
+                            first_step_leftovers, frozen_hook, module_to, on_host)
 from nanopack import context
 from nanopack import generate as generation
 from nanopack import hub
@@ -177,11 +177,12 @@ def config_keys(script):
     return set(re.findall(r"^(\w+) = ", text, re.M)) | set(configurator.declared(keys))
 
 
-def plan_step(script, args, gpus=1, device="cuda", fake=True):
+def plan_step(script, args, gpus=1, device="cuda", fake=True, reuse=None):
     """Run `script` with `args` for two steps as rank 0 of `gpus` -> dict of the second step's peak
     memory by category (bytes), its phase, tokens and FLOPs on this rank, and the microbatch_tokens
     from which its step is one micro-batch on every rank. fake=False: real tensors (gpus > 1: each
-    rank of a torchrun gloo group), what the tests compare the plan against."""
+    rank of a torchrun gloo group), what the tests compare the plan against. reuse: a
+    fake_reuse.Reuse shared by plans that differ only in microbatch_tokens (their models)."""
     keys = config_keys(script)
     out_dir = tempfile.mkdtemp(prefix="plan-")
     swapped = [f"--out_dir={out_dir}", "--max_iters=1000000000", "--log_interval=1000000000",
@@ -191,15 +192,16 @@ def plan_step(script, args, gpus=1, device="cuda", fake=True):
     swapped += ["--dtype=bfloat16"] * (device == "cuda")
     script_args = [script, *args] + [a for a in swapped if a[2:].partition("=")[0] in keys]
     state = dict(steps=0, tokens=0, flops=0.0, tracker=None, config=None, whole_step_tokens=0)
-    patches = patch_table(state, gpus, fake)
-    run_script(script, script_args, patches, state, gpus, device, fake, out_dir)
+    patches = patch_table(state, gpus, fake, reuse)
+    run_script(script, script_args, patches, state, gpus, device, fake, out_dir, reuse)
     return report(script, state)
 
 
 def fake_process_group(gpus, fake):
     """The patches that make this process rank 0 of `gpus`: a fake group, or torchrun's gloo."""
     def setup_distributed(device_name="auto", timeout_s=300):
-        if gpus > 1:
+        # a reused group: the one the reused models are sharded over
+        if gpus > 1 and not dist.is_initialized():
             kind, options = (("fake", dict(store=FakeStore(), rank=0, world_size=gpus)) if fake
                              else ("gloo", {}))
             dist.init_process_group(kind, **options)
@@ -214,7 +216,7 @@ def fake_process_group(gpus, fake):
             (fully_shard_module, "_init_default_mesh", default_mesh)]
 
 
-def startup_patches(state, real, gpus, fake):
+def startup_patches(state, real, gpus, fake, reuse):
     """The start-up's patches: worst-case data where none is on disk, no weights, no DDP."""
     def prepare_data(c, out_dir, tok, kind, max_seq_len, builtin_sizes=None):
         state["kind"], state["max_seq_len"] = kind, max_seq_len
@@ -255,7 +257,8 @@ def startup_patches(state, real, gpus, fake):
         return real["start_run"](config, *a, **k)
 
     def load_model(*a, **k):
-        model, raw_model = real["load_model"](*a, **k)
+        build = lambda: real["load_model"](*a, **k)
+        model, raw_model = reuse.model("policy", 0, build) if reuse else build()
         # what the tracker follows
         state["model"] = model
         return model, raw_model
@@ -312,7 +315,7 @@ def rl_patches(state, real, fake):
             (Rollouts, "play", play)]
 
 
-def step_patches(state, real, fake):
+def step_patches(state, real, fake, reuse):
     """The step's patches: two micro-batches a rank, the second step measured, then Done."""
     # a rank's first two bins stand for the rest
     def rank_bins(units, lengths, token_budget, rank=0, world_size=1):
@@ -335,14 +338,24 @@ def step_patches(state, real, fake):
             state["filled"] = max((int(lengths[b].sum()) for b in bins), default=0) if full else 0
         if len(bins) > 2:
             state["scale"], bins = sum(map(len, bins)) / sum(map(len, bins[:2])), bins[:2]
-        # the first step only allocates the optimizer state: one micro-batch does (the real run,
-        # which the tests compare against, keeps its two)
-        return bins[:1] if state["steps"] == 1 and fake else bins
+        # the first step only allocates the optimizer state, whose size no micro-batch changes:
+        # what its forward and backward leave is made without them (the real run, which the tests
+        # compare against, keeps its two micro-batches)
+        if state["steps"] == 1 and fake:
+            first_step_leftovers(state["model"], state.get("frozen", []),
+                                 gradients=not (reuse and reuse.optimizer_state))
+            return []
+        return bins
 
     def set_lr(optimizer, lr):
         state["steps"] += 1
+        # a reused model's optimizer state, as the first plan's first step allocated it
+        if state["steps"] == 1 and reuse and reuse.optimizer_state:
+            optimizer.state.update(reuse.optimizer_state)
         # the steady state, the optimizer state allocated: measured from here on
         if state["steps"] == 2:
+            if reuse:
+                reuse.optimizer_state = optimizer.state
             state["tracker"] = PhaseTracker(state["model"], optimizer)
             state["tracker"].__enter__()
         if state["steps"] == 3:
@@ -360,9 +373,9 @@ def step_patches(state, real, fake):
     # a frozen copy beside the policy (a live reference, a distillation teacher): its parameters
     # are the 'reference' category
     def frozen_model(*a, **k):
-        model = real["frozen_model"](*a, **k)
-        state.setdefault("frozen", []).append(model)
-        return model
+        frozen, build = state.setdefault("frozen", []), lambda: real["frozen_model"](*a, **k)
+        frozen.append(reuse.model("frozen", len(frozen), build) if reuse else build())
+        return frozen[-1]
 
     # cached log-probs are computed before training, never seen by the step
     def reference_build(cls, mode, *a, **k):
@@ -382,7 +395,7 @@ def refuse_resume(config, values, given):
         "first init_from): a resumed step holds the same memory")
 
 
-def patch_table(state, gpus, fake):
+def patch_table(state, gpus, fake, reuse=None):
     """Every patch a plan runs under: (target, name, new)."""
     real = dict(check_kind=run_start.check_kind, prepare_data=startup.prepare_data,
                 load_data=startup.load_data, build_model=startup.build_model,
@@ -391,8 +404,8 @@ def patch_table(state, gpus, fake):
                 read_prompts=dataset.read_prompts, generate=generation.generate,
                 rank_bins=packing.rank_bins, frozen_model=reference.frozen_model,
                 build=reference.Reference.build.__func__)
-    patches = fake_process_group(gpus, fake) + startup_patches(state, real, gpus, fake)
-    patches += rl_patches(state, real, fake) + step_patches(state, real, fake)
+    patches = fake_process_group(gpus, fake) + startup_patches(state, real, gpus, fake, reuse)
+    patches += rl_patches(state, real, fake) + step_patches(state, real, fake, reuse)
     # a hub name: its config.json and tokenizer only, no weights
     patches += [(hub, "PLAN", True),
                 # one process stands for every rank: no other rank's commits to compare
@@ -415,11 +428,13 @@ def patch_table(state, gpus, fake):
     return patches
 
 
-def run_script(script, script_args, patches, state, gpus, device, fake, out_dir):
-    """Run the script under the patches until Done; restore signals, the group, the folder."""
+def run_script(script, script_args, patches, state, gpus, device, fake, out_dir, reuse=None):
+    """Run the script under the patches until Done; restore signals, the group (unless reused),
+    the folder."""
     env = dict(WORLD_SIZE=str(gpus), RANK="0", LOCAL_RANK="0") if fake else {}
     handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True) if fake else None
+    fake_mode = (reuse.fake_mode if reuse else FakeTensorMode(allow_non_fake_inputs=True)
+                 ) if fake else None
     with ExitStack() as stack:
         for target, name, new in patches:
             stack.enter_context(mock.patch.object(target, name, new))
@@ -436,7 +451,7 @@ def run_script(script, script_args, patches, state, gpus, device, fake, out_dir)
         finally:
             if state["steps"] >= 2:
                 state["tracker"].__exit__(None, None, None)
-            if dist.is_initialized():
+            if dist.is_initialized() and not reuse:
                 dist.destroy_process_group()
             for s, h in handlers.items():
                 signal.signal(s, h)

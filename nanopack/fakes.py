@@ -1,10 +1,12 @@
 """The stand-ins a plan's fake step runs on: decoding that skips the middle of a reply, the
 memory a CUDA varlen kernel holds, values for fake tensors (.item, .tolist), hooks on frozen
-tensors, and host-side functions run on real tensors."""
+tensors, host-side functions run on real tensors, and what a first step leaves, made without it."""
 import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+from torch.distributed.fsdp import FSDPModule
 
+from model import Transformer
 from nanopack import generate as generation
 
 REAL_ITEM, REAL_TOLIST, REAL_TO = torch.Tensor.item, torch.Tensor.tolist, torch.nn.Module.to
@@ -103,3 +105,23 @@ def module_to(module, *args, **kwargs):
     if dtype is None and all(device is None or t.device == device for t in module.parameters()):
         return module
     return REAL_TO(module, *args, **kwargs)
+
+
+def first_step_leftovers(policy, frozen, gradients=True):
+    """What a first forward and backward leave for the optimizer step and the steps after, made
+    without them: each model's RoPE tables and FSDP2's lazy set-up (its sharded parameters re-made),
+    made at a first forward; the policy's FSDP2 parameters sharded again (a no-grad evaluation
+    before the step leaves the root's gathered, its backward frees them); gradients: zeros on every
+    trained parameter, from which AdamW's first step allocates its state."""
+    for model in [policy, *frozen]:
+        if isinstance(model, FSDPModule):
+            model._get_fsdp_state()._lazy_init()
+        for m in model.modules():
+            if isinstance(m, Transformer):
+                m.rope(next(m.parameters()).device)
+    for m in policy.modules():
+        if isinstance(m, FSDPModule):
+            m.reshard()
+    for p in policy.parameters():
+        if p.requires_grad and gradients:
+            p.grad = torch.zeros_like(p)

@@ -20,7 +20,7 @@ FLOORS = [  # lowest first: a module may import only from floors below its own
     ("nanopack.checkpoint", "data.dataset", "nanopack.rewards"),
     ("nanopack.keys", "nanopack.configurator", "nanopack.env"),
     ("nanopack.run", "nanopack.startup", "nanopack.rollout"),  # rollout: runs env.py's trajectories
-    ("nanopack.reference", "nanopack.fakes"),
+    ("nanopack.reference", "nanopack.fakes", "nanopack.fake_reuse"),
     ("nanopack.fake_step", "nanopack.teacher"),
     ("train_sft", "train_dpo", "train_rl", "sample", "plot", "launch", "plan"),
 ]

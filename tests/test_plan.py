@@ -8,6 +8,7 @@ import pytest
 
 import plan
 from nanopack import plan_search
+from nanopack.fake_reuse import Reuse
 from conftest import run_script
 
 TINY = ["--init_from=scratch", "--preset=tiny", "--batch_size=4", "--max_len=128", "--microbatch_tokens=256"]
@@ -60,13 +61,16 @@ def assert_plan_equals_real(script, args):
 
 
 @pytest.mark.slow
-def test_fsdp2_plan_equals_the_real_step_on_two_processes():
+@pytest.mark.parametrize("script,extra", [("train_sft.py", []), ("train_dpo.py", ["--reference=live"])])
+def test_fsdp2_plan_equals_the_real_step_on_two_processes(script, extra):
     """FSDP2 over 2 ranks: the plan (one process, a fake group) against the same step on a real gloo group of two
-    (torchrun), rank 0's tracker: state and collectives exact, activations within 1% or 64 KiB (as above)."""
-    args = TINY + ["--parallel=fsdp", "--batch_size=8"]
-    out = run_script("tests/plan_check.py", ["train_sft.py", *args], nproc=2)
+    (torchrun), rank 0's tracker: state and collectives exact, activations within 1% or 64 KiB (as above). DPO: a
+    frozen sharded copy, and an evaluation before the first step (it leaves the root's parameters gathered, which
+    the plan's first step, run without a forward, shards again as a backward does)."""
+    args = TINY + ["--parallel=fsdp", "--batch_size=8", *extra]
+    out = run_script("tests/plan_check.py", [script, *args], nproc=2)
     real = json.loads(next(l for l in out.stdout.splitlines() if l.startswith("PLAN "))[5:])
-    fake = peak("train_sft.py", args, gpus=2)
+    fake = peak(script, args, gpus=2)
     assert fake["phase"] == real["phase"] and fake["tokens"] == real["tokens"]
     for k in EXACT:
         assert fake["by_category"][k] == real["by_category"][k], k
@@ -110,6 +114,26 @@ def test_llama_8b_plans_in_seconds_with_no_weights():
 
 
 RL = ["--init_from=scratch", "--preset=tiny", "--prompts_per_step=8", "--k=4", "--max_new_tokens=8"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script,extra,gpus,frozen", [
+    ("train_sft.py", TINY[:-1] + ["--parallel=fsdp", "--lora_rank=4", "--batch_size=8"], 2, 0),
+    ("train_dpo.py", TINY[:-1] + ["--parallel=fsdp", "--reference=live", "--batch_size=8"], 2, 1),
+    ("train_rl.py", RL + ["--kl_coef=0.1"], 1, 1)])
+def test_plans_that_reuse_the_models_equal_fresh_plans(script, extra, gpus, frozen):
+    """plan.py's plan and its search share the models (the policy, adapters, FSDP2 sharding, a live reference),
+    built once, the policy's AdamW state, one fake mode and one fake group: a plan at 512 tokens after one at 256
+    equals a fresh plan at 512, byte for byte (the figures do not depend on the order the plans run)."""
+    def plan_at(n, reuse=None):
+        r = plan.plan_step(script, extra + [f"--microbatch_tokens={n}"], gpus, "cpu", reuse=reuse)
+        return r["by_category"], r["phase"], r["tokens"], r["flops"], r["whole_step_tokens"], r["longest_unit"]
+    with Reuse() as reuse:
+        first, after = plan_at(256, reuse), plan_at(512, reuse)
+        # built at the first plan, asked for again by the second
+        built = {kind: len(models) for kind, models in reuse.built.items()}
+        assert built == dict(policy=1, **({"frozen": frozen} if frozen else {})) and reuse.optimizer_state
+    assert after == plan_at(512) and first == plan_at(256) and first != after
 
 
 @pytest.mark.slow
@@ -174,7 +198,7 @@ def test_the_search_finds_the_largest_budget_that_fits(monkeypatch, shape, start
     whole_step, unit = WHOLE_STEPS.get(shape, lambda n: 10 ** 9), UNITS.get(shape, 0)
     calls = []
 
-    def figures(script, args, gpus, gpu_memory, device):
+    def figures(script, args, gpus, gpu_memory, device, reuse=None):
         calls.append(int(args[-1].split("=")[1]))
         return dict(peak_gib=peak_of(calls[-1]), fits=peak_of(calls[-1]) <= gpu_memory,
                     whole_step_tokens=whole_step(calls[-1]), least_microbatch_tokens=least,
@@ -238,9 +262,9 @@ def test_the_search_reports_what_bisection_does_on_the_presets(monkeypatch, case
     args = ["--init_from=scratch", *(["--batch_size=64"] if script != "train_rl.py" else []), *extra]
     made, real = {}, plan.figures
 
-    def memo(script, args, gpus, gpu_memory, device):
+    def memo(script, args, gpus, gpu_memory, device, reuse=None):
         if args[-1] not in made:
-            made[args[-1]] = real(script, args, gpus, gpu_memory, device)
+            made[args[-1]] = real(script, args, gpus, gpu_memory, device, reuse)
         return dict(made[args[-1]], fits=made[args[-1]]["peak_gib"] <= gpu_memory)
     monkeypatch.setattr(plan, "figures", memo)
     low, high = (memo(script, args + [f"--microbatch_tokens={n}"], gpus, 80.0, "cuda")["peak_gib"]
