@@ -9,8 +9,9 @@ reply, as a trainer that makes a sample of every turn computes them).
     python bench/bench_env.py --init_from=out/dpo/hf        # the workshop's model
     python bench/bench_env.py --init_from=scratch --prompts 4 --k 2 --rounds 1   # seconds: the smoke test
 
-tok/s = sampled and observation tokens / the call (multi-turn), reply tokens / the call (single-turn); best of
---rounds, the two taking turns; env ms: the environments' own time inside the multi-turn call.
+tokens: sampled and observation tokens (multi-turn), reply tokens (single-turn); sampled tok/s: the tokens drawn /
+the call (observations are read in one prefill each, not drawn); best of --rounds, the two taking turns; env ms: the
+environments' own time inside the multi-turn call.
 """
 import argparse
 import os
@@ -83,9 +84,10 @@ def main():
     n = len(trajectories)
     print(f"{a.prompts} prompts x {a.k} | {os.path.basename(a.init_from.rstrip('/'))} | max_new_tokens "
           f"{a.max_new_tokens} | torch threads {torch.get_num_threads()}")
-    print("| rollout | tokens | s | tok/s | turns | observation tokens | truncated | env ms |")
+    drawn = n_multi - sum(t.observation_tokens for t in trajectories)
+    print("| rollout | tokens | s | sampled tok/s | turns | observation tokens | truncated | env ms |")
     print("|---|---|---|---|---|---|---|---|")
-    print(f"| multi-turn (env=builtin) | {n_multi:,} | {best['multi']:.2f} | {n_multi / best['multi']:,.0f} | "
+    print(f"| multi-turn (env=builtin) | {n_multi:,} | {best['multi']:.2f} | {drawn / best['multi']:,.0f} | "
           f"{sum(t.turns for t in trajectories) / n:.2f} | {sum(t.observation_tokens for t in trajectories):,} | "
           f"{sum(t.truncated for t in trajectories) / n:.0%} | {env_ms:.0f} |")
     print(f"| single-turn | {n_single:,} | {best['single']:.2f} | {n_single / best['single']:,.0f} | 1 | 0 | - | - |")

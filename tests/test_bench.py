@@ -182,3 +182,13 @@ def test_bench_distill_smoke():
     assert len(rows) == 2 and "crashed" not in out, out
     # the chunked and the full-logits loss: the same number, float32 sums in another order
     assert float(rows[0][-2]) == pytest.approx(float(rows[1][-2]), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_bench_env_smoke():
+    """Both rollouts print a row; the tree computes the fewest tokens, each turn laid out whole the most."""
+    out = run("bench/bench_env.py", "--init_from=scratch", "--prompts", "3", "--k", "2", "--rounds", "1",
+              "--max_new_tokens", "24")
+    assert "| multi-turn (env=builtin) |" in out and "| single-turn |" in out, out
+    tokens = [int(line.split("|")[2].replace(",", "")) for line in out.splitlines() if line.startswith(("| tree", "| each"))]
+    assert len(tokens) == 3 and tokens[0] <= tokens[1] <= tokens[2], out
