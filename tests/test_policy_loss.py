@@ -223,7 +223,8 @@ def test_help_prints_the_presets_tested_here():
     out = subprocess.run([sys.executable, "train_rl.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=120)
     printed = {}
-    for line in out.stdout.split("Presets of --loss")[1].splitlines()[1:]:
+    # --loss's section, up to the next key's presets (--env's)
+    for line in out.stdout.split("Presets of --loss")[1].split("Presets of --")[0].splitlines()[1:]:
         name, _, keys = line.strip().partition(": ")
         printed[name] = dict(k[2:].split("=", 1) for k in keys.split())
     assert printed.pop("online_dpo") == dict(mask_truncated="False", dynamic_sampling="False")
