@@ -57,7 +57,11 @@ def figures(script, args, gpus, gpu_memory, device, reuse=None):
     if device == "cuda":
         by["allowance"] = ALLOWANCE_GIB + FRAGMENTATION * sum(by.values())
     peak, cp = sum(by.values()), r["config"].get("context_parallel", 1)
+    # each phase's peak with the same allowance
+    scale, extra = (1 + FRAGMENTATION, ALLOWANCE_GIB) if device == "cuda" else (1.0, 0.0)
+    phases = {k: v / GIB * scale + extra for k, v in r["phase_peaks"].items()}
     return dict(world_size=gpus, gpu_memory_gib=gpu_memory, peak_gib=peak, peak_phase=r["phase"],
+                phase_peaks_gib=phases,
                 fits=peak <= gpu_memory, by_category_gib=by,
                 tokens_per_step=int(r["tokens"]) * gpus,
                 flops_per_step=r["flops"] * gpus,
@@ -65,6 +69,7 @@ def figures(script, args, gpus, gpu_memory, device, reuse=None):
                 whole_step_tokens=r["whole_step_tokens"],
                 # the search's stairs, on the budget's scale (a CP group's tokens over its ranks)
                 filled_tokens=r["filled"] / cp, unit_tokens=r["unit"] / cp,
+                later_tokens=r["later"] / cp,
                 least_microbatch_tokens=-(-r["longest_unit"] // cp))
 
 

@@ -91,6 +91,9 @@ class PhaseTracker:
         # the state of the steps before
         self.tracker.track_external(optimizer, *([] if fsdp else [model]))
         self.phase = "forward"
+        # each phase's own peak (bytes), a later micro-batch's apart (the gradients accumulated
+        # by then): plan.py's search fits a line to each
+        self.phase_peaks, self.microbatches = {}, 0
         # RL's generation (Decoding) while it runs; its KV cache at the peak
         self.decoding, self.kv_cache = None, 0
 
@@ -98,12 +101,15 @@ class PhaseTracker:
         def update_peak_stats(state):
             tracker = self.tracker
             for device, snap in tracker._curr_mem_snap.items():
+                phase = ("optimizer" if tracker._in_opt else "generation" if self.decoding
+                         else "backward" if tracker._mod_tracker.is_bw else "forward")
+                later = self.microbatches > 1 and phase in ("forward", "backward")
+                key = phase + ", later" * later
+                self.phase_peaks[key] = max(self.phase_peaks.get(key, 0), snap["Total"])
                 if tracker._peak_mem.get(device, 0) < snap["Total"]:
                     tracker._peak_mem[device] = snap["Total"]
                     tracker._peak_mem_snap[device] = dict(snap)
-                    self.phase = ("optimizer" if tracker._in_opt
-                                  else "generation" if self.decoding
-                                  else "backward" if tracker._mod_tracker.is_bw else "forward")
+                    self.phase = phase
                     self.kv_cache = self.decoding.cache_bytes() if self.decoding else 0
         self.tracker._update_peak_stats = update_peak_stats
 
@@ -112,6 +118,7 @@ class PhaseTracker:
             if (module is model and not self.tracker._mod_tracker.is_bw
                     and (torch.is_grad_enabled() or self.decoding)):
                 self.tracker.reset_mod_stats()
+                self.microbatches += torch.is_grad_enabled()
         # registered before the tracker's
         self.hook = torch.nn.modules.module.register_module_forward_pre_hook(new_forward)
         # a no-grad policy forward (adapters_off's reference): its tensors count, its stats not
@@ -336,6 +343,8 @@ def step_patches(state, real, fake, reuse):
             full = "worst_case_units" in state and step.max() == state["longest_unit"]
             state["unit"] = int(step.max()) if full else 0
             state["filled"] = max((int(lengths[b].sum()) for b in bins), default=0) if full else 0
+            # the second micro-batch: the largest after the first (BFD fills the first most)
+            state["later"] = int(lengths[bins[1]].sum()) if full and len(bins) > 1 else 0
         if len(bins) > 2:
             state["scale"], bins = sum(map(len, bins)) / sum(map(len, bins[:2])), bins[:2]
         # the first step only allocates the optimizer state, whose size no micro-batch changes:
@@ -473,10 +482,11 @@ def report(script, state):
     # a step cut to two micro-batches a rank counts as the whole step
     scale = state.get("scale", 1.0)
     return dict(by_category=by_category, phase=state["tracker"].phase,
+                phase_peaks=state["tracker"].phase_peaks,
                 tokens=state["tokens"] * scale, flops=state["flops"] * scale,
                 config=state["config"], whole_step_tokens=state["whole_step_tokens"],
                 longest_unit=state.get("longest_unit", 0), unit=state.get("unit", 0),
-                filled=state.get("filled", 0))
+                filled=state.get("filled", 0), later=state.get("later", 0))
 
 
 def distinct_reward(messages, reply, **fields):

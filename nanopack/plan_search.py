@@ -1,14 +1,15 @@
 """
-The largest microbatch_tokens whose plan fits, in few plans (plan.py). A plan's peak is affine in
-the tokens of its largest micro-batch between the phase changes it knows (the chunked LM head, a
-checkpointed layer, the peak moving to another phase), so the search fits a line through two
-plans, predicts the largest budget under gpu_memory, plans it and the next budget to confirm
-(2 plans), and bisects only where the check disagrees. Worst-case data fills micro-batches with
-whole sequences: the peak is a staircase in the budget, flat over a stair; the line is fitted in
-the tokens a micro-batch holds, and the prediction is a stair's top. Both searches (fit_and_confirm,
-and bisection, its fallback and the tests' reference) assume what bisection does: a larger budget
-never holds less. A plan is plan_at(n) for a budget of n steps -> dict(peak_gib, fits,
-whole_step_tokens, filled_tokens (0: the budget), unit_tokens (a stair's width; 0: none)).
+The largest microbatch_tokens whose plan fits, in few plans (plan.py). Within each phase of a step
+(forward, backward, optimizer: a plan measures each one's peak) the peak is affine in the tokens of
+the largest micro-batch, so the search fits a line through two plans for each phase, predicts the
+largest budget under gpu_memory, plans it and the next budget to confirm (2 plans), and bisects
+only where the check disagrees. Worst-case data fills micro-batches with whole sequences: the peak
+is a staircase in the budget, flat over a stair; the line is fitted in the tokens a micro-batch
+holds, and the prediction is a stair's top. Both searches (fit_and_confirm, and bisection, its
+fallback and the tests' reference) assume what bisection does: a larger budget never holds less. A
+plan is plan_at(n) for a budget of n steps -> dict(peak_gib, fits, whole_step_tokens,
+phase_peaks_gib (phase -> GiB; absent: the peak's phase only), filled_tokens (0: the budget),
+unit_tokens (a stair's width; 0: none)).
 """
 import math
 
@@ -36,8 +37,17 @@ class Bracket:
         if self.hi is not None and n >= self.hi:
             return False
         if n not in self.plans:
-            self.add(n, self.plan_at(n))
+            self.add(n, self.same_stair(n) or self.plan_at(n))
         return self.plans[n]["fits"]
+
+    def same_stair(self, n):
+        """A plan made whose micro-batches hold as many whole units as budget n's would (worst-case
+        data at full length): the same step, so the same plan; else None."""
+        for m, plan in self.plans.items():
+            unit = plan.get("unit_tokens")
+            if unit and n * self.step // unit == m * self.step // unit:
+                return plan
+        return None
 
     def whole(self, n):
         """The budget (in steps) from which plan n's rank step is one micro-batch."""
@@ -96,34 +106,44 @@ def crossing(points, gpu_memory, lo_x):
     return xa + (gpu_memory - pa) * (xb - xa) / (pb - pa)
 
 
+def phase_peaks(plan):
+    """{phase: its peak GiB}: each phase's own where the plan measured them, else the peak's."""
+    return plan.get("phase_peaks_gib") or {plan.get("peak_phase"): plan["peak_gib"]}
+
+
 def predict(bracket, gpu_memory):
-    """The largest budget the plans nearest the crossing say fits: a line through two, a parabola
-    through three (attention's quadratic part, a phase change), a stair's top where micro-batches
-    hold whole units; None where the peak does not rise."""
+    """The largest budget the plans say fits: each phase's peak (forward, backward, ...; a later
+    micro-batch's apart) is affine in its micro-batch's tokens, so a line through two of its plans,
+    or a parabola through three (attention's quadratic part), the nearest gpu_memory; the budget
+    where the first phase reaches it, at a stair's top where micro-batches hold whole units; None
+    where no phase's peak rises."""
     b, step = bracket, bracket.step
-    below = sorted(n for n, p in b.plans.items() if p["fits"])
-    above = sorted(n for n, p in b.plans.items() if not p["fits"])
-    near = below[-2:] + above[:2]
-    # the peak is affine within one phase: the plans in the phase of the nearest above the line
-    phase = b.plans[(above or below[::-1])[0]].get("peak_phase")
-    alike = [n for n in below + above if b.plans[n].get("peak_phase") == phase]
-    near = alike if len(alike) > 1 else near
-    near = sorted(near, key=lambda n: abs(b.plans[n]["peak_gib"] - gpu_memory))
-    xs = {n: filled(b.plans[n], n, step) for n in near}
-    # distinct tokens, the nearest first
-    near = [n for i, n in enumerate(near) if xs[n] not in [xs[m] for m in near[:i]]][:3]
-    if len(near) < 2:
-        return None
-    points = sorted((xs[n], b.plans[n]["peak_gib"]) for n in near)
-    lo_x = xs[below[-1]] if below and below[-1] in xs else 0
-    x = crossing(points, gpu_memory, lo_x)
-    if x is None:
-        return None
-    units = {b.plans[n].get("unit_tokens", 0) for n in near}
-    if len(units) == 1 and (unit := units.pop()):
+    fitting = max((n for n, p in b.plans.items() if p["fits"]), default=None)
+    units = {p.get("unit_tokens", 0) for p in b.plans.values()}
+    unit = units.pop() if len(units) == 1 else 0
+    budgets = []
+    for phase in {ph for p in b.plans.values() for ph in phase_peaks(p)}:
+        later = phase.endswith(", later")
+        peak = {n: phase_peaks(p)[phase] for n, p in b.plans.items() if phase in phase_peaks(p)}
+        xs = {n: (later and b.plans[n].get("later_tokens")) or filled(b.plans[n], n, step)
+              for n in peak}
+        near = sorted(peak, key=lambda n: abs(peak[n] - gpu_memory))
+        # distinct tokens, the nearest first
+        near = [n for i, n in enumerate(near) if xs[n] not in [xs[m] for m in near[:i]]][:3]
+        x = crossing(sorted((xs[n], peak[n]) for n in near), gpu_memory,
+                     xs.get(fitting, 0)) if near[1:] else None
+        if x is None:
+            continue
+        if not unit:
+            budgets.append(math.floor(x / step + 1e-9))
+            continue
         # whole units fit up to x: the stair's top, just under one more unit
-        return math.ceil((math.floor(x / unit + 1e-9) + 1) * unit / step - 1e-9) - 1
-    return math.floor(x / step + 1e-9)
+        more = math.floor(x / unit + 1e-9) + 1
+        # a later micro-batch holds min(more, a rank's step - more) units: it may never get there
+        rank_units = max(p["whole_step_tokens"] for p in b.plans.values()) / unit
+        if not later or more < rank_units - x / unit:
+            budgets.append(math.ceil(more * unit / step - 1e-9) - 1)
+    return min(budgets, default=None)
 
 
 def fit_and_confirm(bracket, gpu_memory, rounds=3):

@@ -181,7 +181,25 @@ PEAKS = {  # GiB at a budget of n tokens: what a plan's peak can look like; the 
     "capped (a rank's whole step)": (lambda n: 5 + 1e-4 * min(n, 40_000), 3),
     "capped, one sequence a rank as long as the budget up to 40,000": (lambda n: 5 + 1e-4 * min(n, 40_000), 3),
     "never fits": (lambda n: 81.0, 8)}
-UNITS = {"stairs of 2,048 (whole sequences)": 2048, "stairs of 8,192, top step just under": 8192}
+
+
+def later_tokens(n, unit=8192, rank_units=16):
+    """The second micro-batch of a rank's step of 16 whole units at a budget of n: what the first leaves, at most
+    as many (0: one micro-batch)."""
+    m = n // unit
+    return min(m, max(rank_units - m, 0)) * unit
+
+
+PHASE_PEAKS = {  # plans that measure each phase's peak (a later micro-batch's apart): shape -> n -> {phase: GiB}
+    "a phase change, each phase's peak measured": lambda n: {"forward": 20 + 2e-4 * n, "backward": 4e-4 * n},
+    # README's 8B FSDP plan: the gradients (4 GiB) are there from the second micro-batch on, which holds fewer units
+    # as the first holds more of a rank's 16
+    "stairs, a later micro-batch holds the gradients": lambda n: {
+        "backward": 30 + 5e-4 * (n // 8192 * 8192), "optimizer": 17.7,
+        **({"backward, later": 34 + 5e-4 * later_tokens(n)} if later_tokens(n) else {})}}
+PEAKS.update({shape: (lambda n, f=f: max(f(n).values()), 3) for shape, f in PHASE_PEAKS.items()})
+UNITS = {"stairs of 2,048 (whole sequences)": 2048, "stairs of 8,192, top step just under": 8192,
+         "stairs, a later micro-batch holds the gradients": 8192}
 PHASES = {"a phase change (the peak moves to the backward)": lambda n: "backward" if n > 100_000 else "forward"}
 WHOLE_STEPS = {  # the budget from which a rank's step is one micro-batch, at a budget of n; else past any budget searched
     "capped (a rank's whole step)": lambda n: 40_000,
@@ -195,7 +213,8 @@ def test_the_search_finds_the_largest_budget_that_fits(monkeypatch, shape, start
     step every budget fits, that step's size (not where the search stopped), within a bound of plans per shape: 3 on
     a line or stairs (a second for the line, the prediction and the next budget confirming it), 4 on a curve (a parabola through three)."""
     peak_of, most = PEAKS[shape]
-    whole_step, unit = WHOLE_STEPS.get(shape, lambda n: 10 ** 9), UNITS.get(shape, 0)
+    unit = UNITS.get(shape, 0)
+    whole_step = WHOLE_STEPS.get(shape, lambda n: 16 * 8192 if shape in PHASE_PEAKS and unit else 10 ** 9)
     calls = []
 
     def figures(script, args, gpus, gpu_memory, device, reuse=None):
@@ -203,7 +222,9 @@ def test_the_search_finds_the_largest_budget_that_fits(monkeypatch, shape, start
         return dict(peak_gib=peak_of(calls[-1]), fits=peak_of(calls[-1]) <= gpu_memory,
                     whole_step_tokens=whole_step(calls[-1]), least_microbatch_tokens=least,
                     filled_tokens=calls[-1] // unit * unit if unit else 0, unit_tokens=unit,
-                    peak_phase=PHASES.get(shape, lambda n: "forward")(calls[-1]))
+                    peak_phase=PHASES.get(shape, lambda n: "forward")(calls[-1]),
+                    **({"phase_peaks_gib": PHASE_PEAKS[shape](calls[-1]),
+                        "later_tokens": later_tokens(calls[-1]) if unit else 0} if shape in PHASE_PEAKS else {}))
 
     def search(search=plan_search.fit_and_confirm):
         calls.clear()
