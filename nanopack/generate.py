@@ -97,6 +97,14 @@ class KVCache:
         for buf in self.k + self.v:
             buf[index, :, :length] = buf[source, :, :length]
 
+    def move(self, sources, targets, length):
+        """Slot sources[i]'s first `length` positions into slot targets[i], all read first (so a
+        pair of moves swaps two slots)."""
+        index = torch.as_tensor(sources, device=self.k[0].device)
+        into = torch.as_tensor(targets, device=self.k[0].device)
+        for buf in self.k + self.v:
+            buf[into, :, :length] = buf[index, :, :length]
+
 
 def mix(x):
     """A 32-bit integer hash (lowbias32's shape; multipliers under 2**31, so int64 products never
@@ -227,7 +235,7 @@ class Engine:
             if slots < num_samples:
                 raise ValueError(f"slots={slots} cannot hold a prompt's {num_samples} replies")
             self.cache = KVCache(slots, capacity or min(longest + max(limits), self.positions))
-            self.free = list(range(slots))
+            self.free, self.holder = list(range(slots)), {}  # holder: slot -> its reply
         self.run(groups, sampling)
         return [r for g in groups for r in g]
 
@@ -277,6 +285,7 @@ class Engine:
             for r in group:
                 if self.kv_cache and r.slot is None:
                     r.slot = self.free.pop(0)
+                    self.holder[r.slot] = r
             admitted.append(group)
         return admitted
 
@@ -303,12 +312,39 @@ class Engine:
         """One new token for each live reply: its newest token read at its position."""
         if not self.kv_cache:
             return self.draw(live, self.reread(live), sampling)
+        self.compact(live)
         logits = self.forward([r.tokens[-1:] for r in live], [r.cached for r in live],
                               [r.slot for r in live], max(r.cached for r in live) + 1,
                               self.step_model)
         for r in live:
             r.cached += 1
         self.draw(live, logits, sampling)
+
+    def compact(self, live):
+        """The live replies moved into slots 0..len(live)-1 (a free slot taken, a kept reply's
+        swapped), in slot order: a decode step then reads the cache's first rows as a view, where
+        scattered slots cost a gather a layer."""
+        n = len(live)
+        held = {r.slot for r in live}
+        holes = [s for s in range(n) if s not in held]
+        sources, targets, length = [], [], 0
+        for r, s in zip([r for r in live if r.slot >= n], holes):
+            other = self.holder.get(s)
+            sources.append(r.slot)
+            targets.append(s)
+            length = max(length, r.cached)
+            if other is None:
+                self.free[self.free.index(s)] = r.slot
+                del self.holder[r.slot]
+            else:  # a kept reply's slot: the two swap
+                sources.append(s)
+                targets.append(r.slot)
+                length = max(length, other.cached)
+                other.slot, self.holder[r.slot] = r.slot, other
+            r.slot, self.holder[s] = s, r
+        if sources:
+            self.cache.move(sources, targets, length)
+        live.sort(key=lambda r: r.slot)
 
     def reread(self, replies):
         """Without a cache: each reply's whole sequence read again -> (B, V) its last logits."""
@@ -347,6 +383,7 @@ class Engine:
                       or len(r.prompt) + len(r.tokens) >= self.positions)
             if r.done and r.slot is not None and not self.keep_slots:
                 self.free.append(r.slot)
+                del self.holder[r.slot]
                 r.slot = None
 
 
