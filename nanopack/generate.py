@@ -23,7 +23,7 @@ class KVCache:
     `rows` (B,), each sequence's slot (default 0..B-1), and `continuing`, whether a prefill appends
     to live slots. A prefill from position 0 attends within the packed stream, as without a cache; a
     decode step (one new token per row) over its slot's positions 0..position, all rows in one SDPA
-    call; a continuation (tokens appended to a live slot) over its slot, one sequence at a time."""
+    call; a continuation (tokens appended to live slots) over their slots, in one call too."""
 
     def __init__(self, slots, capacity):
         self.slots, self.capacity, self.rows, self.continuing = slots, capacity, None, False
@@ -69,7 +69,7 @@ class KVCache:
         if not self.decoding:
             if not self.continuing:
                 return varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window)
-            return self.continuation(q, k_buf, v_buf, cu_seqlens.tolist())
+            return self.continuation(q, k_buf, v_buf, cu_seqlens)
         B, H, D = q.shape
         rows = slice(0, B) if self.in_order else self.rows_of
         k, v = k_buf[rows, :, :self.length], v_buf[rows, :, :self.length]  # (B, Hkv, L, D)
@@ -78,18 +78,21 @@ class KVCache:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).reshape(B, H, D)
 
     def continuation(self, q, k_buf, v_buf, cu):
-        """Tokens appended to live slots: each sequence's queries over its slot's keys so far."""
-        out = []
-        for i, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
-            end = int(self.pos[b - 1]) + 1
-            s = self.rows_of[i]
-            k, v = k_buf[s, :, :end], v_buf[s, :, :end]  # (Hkv, L, D)
-            qi = q[a:b].transpose(0, 1)  # (H, n, D)
-            qi = qi.reshape(k.shape[0], -1, *qi.shape[1:])  # (Hkv, H / Hkv, n, D)
-            mask = self.sees(torch.arange(end, device=q.device), self.pos[a:b])  # (n, L)
-            y = F.scaled_dot_product_attention(qi, k[:, None], v[:, None], attn_mask=mask)
-            out.append(y.reshape(q.shape[1], b - a, -1).transpose(0, 1))
-        return torch.cat(out)
+        """Tokens appended to live slots: each sequence's queries over its slot's keys so far, all
+        in one SDPA call, the sequences' queries padded to the longest's."""
+        n = cu.diff()
+        B, (H, D), Hkv = len(n), q.shape[1:], k_buf.shape[1]
+        most = int(n.max())
+        j = torch.arange(most, device=q.device)
+        # (B, most): each padded query's token (a pad repeats the sequence's last)
+        at = cu[:-1, None] + torch.minimum(j, n[:, None] - 1)
+        qi = q[at].transpose(1, 2).reshape(B, Hkv, H // Hkv * most, D)
+        k, v = k_buf[self.rows_of, :, :self.length], v_buf[self.rows_of, :, :self.length]
+        mask = self.sees(torch.arange(self.length, device=q.device), self.pos[at].reshape(-1))
+        mask = mask.view(B, 1, 1, most, -1).expand(-1, -1, H // Hkv, -1, -1)
+        y = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask.reshape(B, 1, -1, self.length))
+        y = y.reshape(B, H, most, D).transpose(1, 2)  # (B, most, H, D)
+        return y[j < n[:, None]]  # (T, H, D), the pads dropped
 
     def copy(self, source, targets, length):
         """Slot source's first `length` positions into each slot of targets: a prompt's replies."""
