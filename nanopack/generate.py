@@ -78,21 +78,41 @@ class KVCache:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask).reshape(B, H, D)
 
     def continuation(self, q, k_buf, v_buf, cu):
-        """Tokens appended to live slots: each sequence's queries over its slot's keys so far, all
-        in one SDPA call, the sequences' queries padded to the longest's."""
-        n = cu.diff()
-        B, (H, D), Hkv = len(n), q.shape[1:], k_buf.shape[1]
+        """Tokens appended to live slots: each sequence's queries over its slot's keys so far, one
+        SDPA call per group of sequences of alike lengths (padding at most doubles a group's
+        queries; its mask stays under 2**28 entries: one long observation pads no short ones)."""
+        out, lengths = torch.empty_like(q), cu.diff().tolist()
+        width = q.shape[1] // k_buf.shape[1] * self.length  # mask entries a padded query takes
+        group, tokens = [], 0
+        for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+            padded = (len(group) + 1) * lengths[i]
+            if group and (padded > 2 * (tokens + lengths[i]) or padded * width > 2**28):
+                self.group_attention(q, k_buf, v_buf, cu, group, out)
+                group, tokens = [], 0
+            group.append(i)
+            tokens += lengths[i]
+        self.group_attention(q, k_buf, v_buf, cu, group, out)
+        return out
+
+    def group_attention(self, q, k_buf, v_buf, cu, group, out):
+        """continuation() for the sequences in group (indices), their queries padded to the
+        longest's, written into out at their tokens."""
+        index = torch.tensor(group, device=q.device)
+        start, n = cu[index], cu[index + 1] - cu[index]
+        B, (H, D), Hkv = len(group), q.shape[1:], k_buf.shape[1]
         most = int(n.max())
         j = torch.arange(most, device=q.device)
         # (B, most): each padded query's token (a pad repeats the sequence's last)
-        at = cu[:-1, None] + torch.minimum(j, n[:, None] - 1)
+        at = start[:, None] + torch.minimum(j, n[:, None] - 1)
         qi = q[at].transpose(1, 2).reshape(B, Hkv, H // Hkv * most, D)
-        k, v = k_buf[self.rows_of, :, :self.length], v_buf[self.rows_of, :, :self.length]
+        slots = self.rows_of[index]
+        k, v = k_buf[slots, :, :self.length], v_buf[slots, :, :self.length]
         mask = self.sees(torch.arange(self.length, device=q.device), self.pos[at].reshape(-1))
         mask = mask.view(B, 1, 1, most, -1).expand(-1, -1, H // Hkv, -1, -1)
         y = F.scaled_dot_product_attention(qi, k, v, attn_mask=mask.reshape(B, 1, -1, self.length))
         y = y.reshape(B, H, most, D).transpose(1, 2)  # (B, most, H, D)
-        return y[j < n[:, None]]  # (T, H, D), the pads dropped
+        real = j < n[:, None]  # the pads dropped
+        out[at[real]] = y[real]
 
     def copy(self, source, targets, length):
         """Slot source's first `length` positions into each slot of targets: a prompt's replies."""
@@ -237,6 +257,11 @@ class Engine:
             slots = self.slots or len(prompts) * num_samples
             if slots < num_samples:
                 raise ValueError(f"slots={slots} cannot hold a prompt's {num_samples} replies")
+            replies = len(prompts) * num_samples
+            if self.keep_slots and slots < replies:
+                # a kept slot is never freed: the replies past the slots would wait forever
+                raise ValueError(f"keep_slots needs a slot for each of the {replies} replies, "
+                                 f"not slots={slots}")
             self.cache = KVCache(slots, capacity or min(longest + max(limits), self.positions))
             self.free, self.holder = list(range(slots)), {}  # holder: slot -> its reply
         self.run(groups, sampling)

@@ -3,11 +3,12 @@
 multi-turn continuation of a live slot. A reply's tokens depend on its own stream only: the same whatever the batch,
 the slot count, the order of the prompts, and with or without the cache."""
 import math
+from unittest import mock
 
 import pytest
 import torch
 
-from nanopack.generate import Engine, Sampling, generate, mix, sample, stream, uniforms
+from nanopack.generate import Engine, KVCache, Sampling, generate, mix, sample, stream, uniforms
 from test_sample import CACHE_CONFIGS, PROMPTS, random_model
 
 K = 3
@@ -81,20 +82,35 @@ def test_a_refilled_slot_never_sees_the_last_replys_cache(config):
 @pytest.mark.parametrize("config", CACHE_CONFIGS)
 def test_continuing_a_live_slot_equals_generating_from_the_whole_chat(config):
     """Multi-turn: observations appended to finished replies' slots, read in one more prefill, then more tokens:
-    greedy, the same tokens as a fresh generation from prompt + reply + observation (float32; margins decide)."""
+    greedy, the same tokens as a fresh generation from prompt + reply + observation (float32; margins decide). Three
+    replies, observations of 3, 1 and 14 tokens: the long one is read in its own attention call, the two short ones
+    together (each call pads its sequences to its longest)."""
     model = random_model(**CACHE_CONFIGS[config])
     engine, sampling = Engine(model, keep_slots=True), Sampling(5)
     replies = engine.generate(PROMPTS, sampling, 2, capacity=40)
-    # two replies of different prompts, observations of different lengths, one prefill
-    chosen, observations = [replies[3], replies[0]], [[7, 8, 9], [11]]
+    # replies of different prompts, observations of different lengths, one prefill
+    picked = (3, 0, 5)
+    chosen, observations = [replies[i] for i in picked], [[7, 8, 9], [11], list(range(20, 34))]
     first_turns = [list(r.tokens) for r in chosen]
-    engine.extend(chosen, observations, [5, 4], sampling)
-    for reply, first, obs, prompt, more in zip(chosen, first_turns, observations, (PROMPTS[1], PROMPTS[0]), (5, 4)):
+    groups = []
+    group_attention = KVCache.group_attention
+    with mock.patch.object(KVCache, "group_attention", lambda self, *a: groups.append(len(a[4])) or
+                           group_attention(self, *a)):
+        engine.extend(chosen, observations, [5, 4, 3], sampling)
+    assert sorted(set(groups)) == [1, 2]  # the long observation alone, the short two together
+    for reply, first, obs, i, more in zip(chosen, first_turns, observations, picked, (5, 4, 3)):
         n = len(first) + len(obs)
         assert reply.tokens[:n] == first + obs and all(map(math.isnan, reply.logprobs[len(first):n]))
-        assert reply.tokens[n:] == generate(model, [prompt + first + obs], more)[0]
-    others = [r.tokens for i, r in enumerate(replies) if i not in (0, 3)]
-    assert others == [r for i, r in enumerate(generate(model, PROMPTS, 5, num_samples=2)) if i not in (0, 3)]
+        assert reply.tokens[n:] == generate(model, [PROMPTS[i // 2] + first + obs], more)[0]
+    others = [r.tokens for i, r in enumerate(replies) if i not in picked]
+    assert others == [r for i, r in enumerate(generate(model, PROMPTS, 5, num_samples=2)) if i not in picked]
+
+
+def test_kept_slots_must_hold_every_reply():
+    """keep_slots (multi-turn): a slot is never freed, so fewer slots than replies would leave the rest waiting
+    forever (dummy forwards in a loop): one clear error instead."""
+    with pytest.raises(ValueError, match="keep_slots needs a slot for each of the 8 replies, not slots=6"):
+        Engine(random_model(), slots=6, keep_slots=True).generate(PROMPTS, Sampling(3), 2)
 
 
 def test_a_stop_token_ends_that_reply_only():
