@@ -91,13 +91,12 @@ class PhaseTracker:
         # the state of the steps before
         self.tracker.track_external(optimizer, *([] if fsdp else [model]))
         self.phase = "forward"
-        # each phase's own peak (bytes), a later micro-batch's apart (the gradients accumulated
-        # by then): plan.py's search fits a line to each
+        # each phase's own peak (bytes), a later micro-batch's apart: plan.py fits a line to each
         self.phase_peaks, self.microbatches = {}, 0
         # RL's generation (Decoding) while it runs; its KV cache at the peak
         self.decoding, self.kv_cache = None, 0
 
-        # the global peak and its phase only: per-module peaks were 80% of an 8B LoRA plan's time
+        # the peaks, global and per phase, only: per-module peaks were 80% of an 8B LoRA plan's time
         def update_peak_stats(state):
             tracker = self.tracker
             for device, snap in tracker._curr_mem_snap.items():
@@ -342,8 +341,8 @@ def step_patches(state, real, fake, reuse):
             # worst-case units at full length: micro-batches hold whole ones, the search's stairs
             full = "worst_case_units" in state and step.max() == state["longest_unit"]
             state["unit"] = int(step.max()) if full else 0
+            # its largest micro-batch (the first: BFD fills it most) and its second
             state["filled"] = max((int(lengths[b].sum()) for b in bins), default=0) if full else 0
-            # the second micro-batch: the largest after the first (BFD fills the first most)
             state["later"] = int(lengths[bins[1]].sum()) if full and len(bins) > 1 else 0
         if len(bins) > 2:
             state["scale"], bins = sum(map(len, bins)) / sum(map(len, bins[:2])), bins[:2]
