@@ -23,7 +23,8 @@ class KVCache:
     `rows` (B,), each sequence's slot (default 0..B-1), and `continuing`, whether a prefill appends
     to live slots. A prefill from position 0 attends within the packed stream, as without a cache; a
     decode step (one new token per row) over its slot's positions 0..position, all rows in one SDPA
-    call; a continuation (tokens appended to live slots) over their slots, in one call too."""
+    call; a continuation (tokens appended to live slots) over their slots, one call a group of
+    alike lengths."""
 
     def __init__(self, slots, capacity):
         self.slots, self.capacity, self.rows, self.continuing = slots, capacity, None, False
@@ -116,9 +117,7 @@ class KVCache:
 
     def copy(self, source, targets, length):
         """Slot source's first `length` positions into each slot of targets: a prompt's replies."""
-        index = torch.as_tensor(targets, device=self.k[0].device)
-        for buf in self.k + self.v:
-            buf[index, :, :length] = buf[source, :, :length]
+        self.move([source] * len(targets), targets, length)
 
     def move(self, sources, targets, length):
         """Slot sources[i]'s first `length` positions into slot targets[i], all read first (so a
