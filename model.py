@@ -17,13 +17,13 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from nanopack import kernels
+from nanopack.attention import sdpa_per_sequence
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -207,11 +207,15 @@ def attention_backend(device, dtype):
 
 
 def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_seqlens_k=None,
-                     max_seqlen_k=None):
+                     max_seqlen_k=None, kv_index=None):
     """Causal attention within each packed sequence: q (T, Hq, D), k/v (T, Hkv, D) -> (T, Hq, D).
-    With cu_seqlens_k, k/v are (Tk, Hkv, D), query segment i attending to key segment i aligned at
-    the bottom right (as flash-attn)."""
+    With cu_seqlens_k, k/v are (Tk, Hkv, D) (with kv_index: k[kv_index]), query segment i
+    attending to key segment i aligned at the bottom right (as flash-attn)."""
     backend = attention_backend(q.device, q.dtype)
+    if backend == "sdpa":  # it reads k[kv_index] in its own gather
+        return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k, kv_index)
+    if kv_index is not None:  # gradients add back into the prompt's rows
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
     left = -1 if sliding_window is None else sliding_window - 1  # tokens seen before the query
     cu_k, max_k = (cu_seqlens, max_seqlen) if cu_seqlens_k is None else (cu_seqlens_k, max_seqlen_k)
     if backend == "flash_attn":
@@ -228,70 +232,6 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_se
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, **causal)
     return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k)
-
-
-class BottomRight(torch.autograd.Function):
-    """CPU attention of the last Lq of Lk queries, exact in O(Lq x Lk): the keys before them
-    unmasked, their own causal, two flash calls merged by log-sum-exp; each part's backward with the
-    merged output and log-sum-exp is the whole softmax's gradient for that part's keys (as ring
-    attention's)."""
-
-    @staticmethod
-    def forward(ctx, q, k, v):
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-        h = k.shape[2] - q.shape[2]
-        (oa, la), (ob, lb) = (flash(q, k[:, :, :h], v[:, :, :h], 0.0, False),
-                              flash(q, k[:, :, h:], v[:, :, h:], 0.0, True))
-        lse = torch.logaddexp(la, lb)  # float32 for half precision, as the kernel's
-        o = sum(x.to(lse.dtype) * (l - lse).exp()[..., None]
-                for x, l in ((oa, la), (ob, lb))).to(q.dtype)
-        ctx.save_for_backward(q, k, v, o, lse)
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        back = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        h = k.shape[2] - q.shape[2]
-        dqa, dka, dva = back(do, q, k[:, :, :h], v[:, :, :h], o, lse, 0.0, False)
-        dqb, dkb, dvb = back(do, q, k[:, :, h:], v[:, :, h:], o, lse, 0.0, True)
-        return dqa + dqb, torch.cat([dka, dkb], 2), torch.cat([dva, dvb], 2)
-
-
-# a Python loop over a data-dependent number of sequences: run eagerly, never traced
-@torch.compiler.disable
-def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=None):
-    """Exact fallback for any device: one SDPA call per sequence, memory O(max L^2), not O(T^2)."""
-    # K/V repeated: SDPA's enable_gqa takes a slow math path on CPU
-    groups = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-    # lengths on the host from cu_seqlens as it is: an op on it first is data-dependent under fake
-    # tensors (plan.py)
-    lens = np.diff(cu_seqlens.tolist()).tolist()
-    k_lens = lens if cu_seqlens_k is None else np.diff(cu_seqlens_k.tolist()).tolist()
-    outs = []
-    # split, not slices: its backward is one cat; 4-D (1, H, L, D): 3-D inputs take CPU SDPA's
-    # O(L^2) math path
-    for qi, ki, vi in zip(q.split(lens), k.split(k_lens), v.split(k_lens)):
-        qi, ki, vi = qi.transpose(0, 1)[None], ki.transpose(0, 1)[None], vi.transpose(0, 1)[None]
-        Lq, Lk = qi.shape[2], ki.shape[2]
-        mask = None
-        # 0: SIGFPE
-        if 0 < Lq < Lk and (sliding_window is None
-                            or Lk <= sliding_window) and q.device.type == "cpu":
-            # a mask takes CPU's O(Lq x Lk) math path
-            outs.append(BottomRight.apply(qi, ki, vi)[0].transpose(0, 1))
-            continue
-        if Lq != Lk or (sliding_window is not None and Lk > sliding_window):
-            # SDPA's is_causal aligns at the top left; queries are the last Lq of the Lk keys
-            # (bottom right)
-            # each query's place among the keys
-            i = torch.arange(Lk - Lq, Lk, device=q.device)[:, None]
-            j = torch.arange(Lk, device=q.device)[None, :]
-            mask = (j <= i) & (i - j < (sliding_window or Lk))  # (Lq, Lk)
-        o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=mask, is_causal=mask is None)
-        outs.append(o[0].transpose(0, 1))
-    return torch.cat(outs, dim=0)
 
 
 class Attention(nn.Module):
@@ -324,9 +264,8 @@ class Attention(nn.Module):
             # context parallel: kv_index reads K/V all-gathered over the group kv[3] (context.py)
             if len(kv) > 3:
                 k, v = kv[3].gather(torch.cat([k, v], 1)).chunk(2, 1)  # one collective for both
-            # gradients add back into the prompt's rows
-            k, v = k.index_select(0, kv[0]), v.index_select(0, kv[0])
-            y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window, kv[1], kv[2])
+            y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window, kv[1], kv[2],
+                                 kv_index=kv[0])
         elif cache is None:
             y = varlen_attention(q, k, v, cu_seqlens, max_seqlen, cfg.sliding_window)  # (T, H, D)
         else:

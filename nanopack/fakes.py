@@ -85,7 +85,9 @@ class CudaAttention(torch.autograd.Function):
         return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
-def cuda_attention(q, k, v, *args, **kwargs):
+def cuda_attention(q, k, v, *args, kv_index=None, **kwargs):
+    if kv_index is not None:  # the kernels read K/V gathered
+        k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
     return CudaAttention.apply(q, k, v)
 
 

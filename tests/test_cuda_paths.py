@@ -127,8 +127,10 @@ def test_cuda_branch_prefix_shared(monkeypatch, kind, kw):
     pc_ref, pr_ref = mb.pair_sums(model(**mb.inputs(), logprobs=True))
     (pc_ref - pr_ref).sum().backward()
     assert torch.equal(pc, pc_ref) and torch.equal(pr, pr_ref)
+    # the CPU path reads k[kv_index] in its own gather, a kernel's K/V were gathered before it: a prompt row's
+    # gradient sums its replies' in another order, so up to bf16 rounding (a wrong key stream moves it by ~100%)
     for g, p in zip(grads, model.parameters()):
-        assert torch.equal(g, p.grad)
+        torch.testing.assert_close(g, p.grad, rtol=0, atol=2e-2 * g.abs().max().item())
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -349,7 +349,7 @@ def test_context_parallel_splits_a_sequence_one_gpu_cannot_hold():
 
 @pytest.mark.slow
 def test_a_gpu_plan_holds_the_cuda_kernels_attention_memory():
-    """A GPU plan swaps the CPU attention (a CP slice's queries: model.BottomRight's two flash calls) for what the CUDA varlen kernels hold (output, log-sum-exp): its activations grow linearly with the
+    """A GPU plan swaps the CPU attention (a CP slice's queries: attention.BottomRight's two flash calls) for what the CUDA varlen kernels hold (output, log-sum-exp): its activations grow linearly with the
     sequence (measured 1.94x for twice the length) and sit below the CPU path's (5.1 vs 8.0 MB at 1,024: the CPU path
     keeps K/V repeated for GQA; it held an L x L mask, 10.1 MB, then queries padded in front, 8.9 MB)."""
     args = TINY[:2] + ["--batch_size=1", "--parallel=fsdp", "--context_parallel=2"]

@@ -169,8 +169,8 @@ def test_qk_norm_under_bf16_autocast(monkeypatch, trees):
     net = M.Transformer(M.config_from_preset("tiny", vocab_size=tok.vocab_size, max_seq_len=8192, arch="qwen3",
                                              qk_norm=True))
     seen, attention = set(), M.varlen_attention
-    monkeypatch.setattr(M, "varlen_attention", lambda q, k, v, *a: seen.add((q.dtype, k.dtype, v.dtype)) or
-                        attention(q, k, v, *a))
+    monkeypatch.setattr(M, "varlen_attention", lambda q, k, v, *a, **kw: seen.add((q.dtype, k.dtype, v.dtype)) or
+                        attention(q, k, v, *a, **kw))
     sums = {}
     for name, prefix in (("tree", shared_prefixes(data)), ("expanded", None)):
         mb = make_batch(data, [1], 1, prefix)  # the 5-turn trace
@@ -253,8 +253,8 @@ def test_train_sft_steps_are_the_same_with_sharing_on_and_off_and_on_two_process
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_cuda_kernels_get_the_tree(monkeypatch, trees, kind):
     """flash-attn and torch's varlen_attn (recording stand-ins that check every argument and return the exact
-    reference): a tree's key stream (cu_seqlens_k, max_seqlen_k) gives the SDPA path's sums and gradients bit for
-    bit."""
+    reference): a tree's key stream (cu_seqlens_k, max_seqlen_k) gives the SDPA path's sums bit for bit, and its
+    gradients up to the order they are summed in."""
     data, tok = trees
     torch.manual_seed(0)
     model = M.Transformer(M.config_from_preset("tiny", vocab_size=tok.vocab_size, max_seq_len=8192)).to(torch.bfloat16)
@@ -272,4 +272,8 @@ def test_the_cuda_kernels_get_the_tree(monkeypatch, trees, kind):
         assert calls == (expected_calls(kind, model.config) if backend == kind else [])
         runs.append((sums.detach(), [p.grad.clone() for p in model.parameters()]))
     (a, ga), (b, gb) = runs
-    assert torch.equal(a, b) and all(torch.equal(x, y) for x, y in zip(ga, gb))
+    assert torch.equal(a, b)
+    # the SDPA path reads k[kv_index] in its own gather, a kernel's K/V were gathered before it: a trunk row's
+    # gradient sums its branches' in another order, so up to bf16 rounding (a wrong key stream moves it by ~100%)
+    for x, y in zip(ga, gb):
+        torch.testing.assert_close(x, y, rtol=0, atol=2e-2 * x.abs().max().item())
