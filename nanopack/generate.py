@@ -115,10 +115,6 @@ class KVCache:
         real = j < n[:, None]  # the pads dropped
         out[at[real]] = y[real]
 
-    def copy(self, source, targets, length):
-        """Slot source's first `length` positions into each slot of targets: a prompt's replies."""
-        self.move([source] * len(targets), targets, length)
-
     def move(self, sources, targets, length):
         """Slot sources[i]'s first `length` positions into slot targets[i], all read first (so a
         pair of moves swaps two slots)."""
@@ -327,9 +323,11 @@ class Engine:
         logits = self.forward([s[r.cached:] for s, r in zip(seqs, firsts)],
                               [r.cached for r in firsts], [r.slot for r in firsts],
                               max(map(len, seqs)))
+        # the prompts' caches to their other replies' slots, one copy for all
+        copies = [(g[0].slot, r.slot) for g in groups for r in g[1:]]
+        if copies:
+            self.cache.move(*zip(*copies), max(map(len, seqs)))
         for group, seq in zip(groups, seqs):
-            if len(group) > 1:
-                self.cache.copy(group[0].slot, [r.slot for r in group[1:]], len(seq))
             for r in group:
                 r.cached = len(seq)
         each = torch.tensor([i for i, g in enumerate(groups) for _ in g], device=logits.device)
