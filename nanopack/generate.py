@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from model import varlen_attention
+from nanopack.attention import alike_groups
+from nanopack.decode_graphs import DecodeGraphs, cuda_capture
 
 M32 = 0xFFFFFFFF
 
@@ -80,19 +82,12 @@ class KVCache:
 
     def continuation(self, q, k_buf, v_buf, cu):
         """Tokens appended to live slots: each sequence's queries over its slot's keys so far, one
-        SDPA call per group of sequences of alike lengths (padding at most doubles a group's
-        queries; its mask stays under 2**28 entries: one long observation pads no short ones)."""
+        SDPA call per group of alike lengths (attention.alike_groups: one long observation pads no
+        short ones)."""
         out, lengths = torch.empty_like(q), cu.diff().tolist()
-        width = q.shape[1] // k_buf.shape[1] * self.length  # mask entries a padded query takes
-        group, tokens = [], 0
-        for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-            padded = (len(group) + 1) * lengths[i]
-            if group and (padded > 2 * (tokens + lengths[i]) or padded * width > 2**28):
+        for group in alike_groups(lengths, [self.length] * len(lengths)):
+            if lengths[group[0]]:
                 self.group_attention(q, k_buf, v_buf, cu, group, out)
-                group, tokens = [], 0
-            group.append(i)
-            tokens += lengths[i]
-        self.group_attention(q, k_buf, v_buf, cu, group, out)
         return out
 
     def group_attention(self, q, k_buf, v_buf, cu, group, out):
@@ -220,12 +215,18 @@ class Engine:
     through torch.compile. keep_slots: a reply keeps its slot when it ends, so that extend() can
     append to it (multi-turn). kv_cache=False re-reads every sequence whole for each token: the
     reference the cache is tested against. sync_ranks (FSDP: every forward is a collective): ranks
-    step together until all are done, one with nothing left running a dummy forward."""
+    step together until all are done, one with nothing left running a dummy forward. cuda_graphs:
+    the decode step replayed as CUDA graphs (decode_graphs.py; capture: a test's stand-in), the
+    KV cache kept from call to call while it holds the call."""
 
     def __init__(self, model, slots=None, compile=False, keep_slots=False, kv_cache=True,
-                 sync_ranks=False):
+                 sync_ranks=False, cuda_graphs=False, capture=cuda_capture):
+        if cuda_graphs and (sync_ranks or not kv_cache or compile):
+            raise ValueError("cuda_graphs replays the decode step over a KV cache on one rank: not "
+                             "with sync_ranks (FSDP), kv_cache=False or compile")
         self.model, self.slots, self.keep_slots = model, slots, keep_slots
         self.kv_cache, self.sync_ranks, self.cache = kv_cache, sync_ranks, None
+        self.graphs, self.capture = None, capture if cuda_graphs else None
         self.step_model = torch.compile(model, dynamic=True) if compile else model
         self.device = next(model.parameters()).device
         self.positions = model.config.max_seq_len
@@ -257,10 +258,22 @@ class Engine:
                 # a kept slot is never freed: the replies past the slots would wait forever
                 raise ValueError(f"keep_slots needs a slot for each of the {replies} replies, "
                                  f"not slots={slots}")
-            self.cache = KVCache(slots, capacity or min(longest + max(limits), self.positions))
+            capacity = capacity or min(longest + max(limits), self.positions)
+            self.cache = self.cache_for(slots, capacity)
             self.free, self.holder = list(range(slots)), {}  # holder: slot -> its reply
         self.run(groups, sampling)
         return [r for g in groups for r in g]
+
+    def cache_for(self, slots, capacity):
+        """A new KV cache, or with CUDA graphs the last one where it holds the call (its graphs
+        read it): one more slot, the pads' scratch, its capacity in steps of 64 positions."""
+        if self.capture is None:
+            return KVCache(slots, capacity)
+        cache = self.cache
+        if cache is None or cache.slots != slots + 1 or cache.capacity < capacity:
+            cache = KVCache(slots + 1, min(-(-capacity // 64) * 64, self.positions))
+            self.graphs = DecodeGraphs(self.model, cache, self.capture)
+        return cache
 
     def extend(self, replies, observations, more, sampling):
         """Multi-turn: each reply's observation (token list) appended to its live slot, all read in
@@ -338,9 +351,12 @@ class Engine:
         if not self.kv_cache:
             return self.draw(live, self.reread(live), sampling)
         self.compact(live)
-        logits = self.forward([r.tokens[-1:] for r in live], [r.cached for r in live],
-                              [r.slot for r in live], max(r.cached for r in live) + 1,
-                              self.step_model)
+        if self.graphs is not None:
+            logits = self.graphs.step([r.tokens[-1] for r in live], [r.cached for r in live])
+        else:
+            logits = self.forward([r.tokens[-1:] for r in live], [r.cached for r in live],
+                                  [r.slot for r in live], max(r.cached for r in live) + 1,
+                                  self.step_model)
         for r in live:
             r.cached += 1
         self.draw(live, logits, sampling)

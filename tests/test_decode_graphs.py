@@ -1,0 +1,69 @@
+"""CUDA graphs of the decode step (nanopack/decode_graphs.py), on CPU: the stand-in for torch.cuda.graph records the
+step's ops once with make_fx (real tensors) and replays the recording, so, as a CUDA graph, a replay runs no Python
+and reads only what the buffers and the cache hold when it runs. A value baked in at capture (a length, a position,
+a row count read on the host) would replay stale and change the tokens. Float32: the replies equal the eager engine's
+(the graphs' attention reads the whole capacity, masked: the same sums, margins decide the tokens)."""
+import pytest
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+
+from nanopack.generate import Engine, Sampling
+from test_sample import PROMPTS, random_model
+
+SAMPLED = Sampling(12, temperature=0.9, top_k=20, top_p=0.9, stop_ids=(5, 17, 30), seed=3)
+
+
+class Recorder:
+    """capture(step) -> (replay, output), as decode_graphs.cuda_capture: the step recorded once, its replays
+    counted per bucket."""
+
+    def __init__(self):
+        self.replays, self.captured = {}, []
+
+    def __call__(self, step):
+        recorded = make_fx(step)()
+        out = recorded()
+        bucket = len(out)
+        self.captured.append(bucket)
+
+        def replay():
+            self.replays[bucket] = self.replays.get(bucket, 0) + 1
+            out.copy_(recorded())
+        return replay, out
+
+
+def test_replayed_steps_give_the_eager_engines_replies():
+    model = random_model()
+    want = Engine(model).generate(PROMPTS, SAMPLED, 3)
+    recorder = Recorder()
+    engine = Engine(model, cuda_graphs=True, capture=recorder)
+    for _ in range(2):  # the second call reuses the cache and its graphs
+        got = engine.generate(PROMPTS, SAMPLED, 3)
+        assert [r.tokens for r in got] == [r.tokens for r in want]
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    lengths = {len(r.tokens) for r in want}
+    assert len(lengths) > 2  # replies end at different steps: the live count shrinks through the buckets
+    # 12 replies: buckets of 16 and below, each captured once, replayed in both calls
+    assert sorted(set(recorder.captured)) == sorted(recorder.captured) and max(recorder.captured) == 16
+    assert len(recorder.captured) >= 2 and sum(recorder.replays.values()) > 2 * 8
+
+
+def test_pads_leave_kept_slots_alone():
+    """Multi-turn: the pads of a bucket write a scratch slot, never a kept reply's; continuing two of six replies
+    (their four neighbours kept, finished) equals generating from the whole chat."""
+    model = random_model()
+    engine = Engine(model, keep_slots=True, cuda_graphs=True, capture=Recorder())
+    eager = Engine(model, keep_slots=True)
+    runs = []
+    for e in (engine, eager):
+        replies = e.generate(PROMPTS[:3], Sampling(6), 2, capacity=40)
+        chosen = [replies[1], replies[4]]
+        e.extend(chosen, [[7, 8, 9], [11]], [5, 3], Sampling(6))
+        runs.append([r.tokens for r in replies])
+    assert runs[0] == runs[1]
+
+
+def test_graphs_refuse_what_they_cannot_replay():
+    with pytest.raises(ValueError, match="not with sync_ranks"):
+        Engine(random_model(), cuda_graphs=True, kv_cache=False)
