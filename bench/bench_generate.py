@@ -25,6 +25,10 @@ the replies / the call; best of --rounds. The split: seconds in the model's forw
 (Python, packing, cache bookkeeping).
 
     python bench/bench_generate.py --batches "" --threads 2      # only the varied-lengths table
+    python bench/bench_generate.py --batches "" --device cuda --preset llama-3.2-1b   # + the CUDA-graph row, bf16
+
+On CUDA the varied-lengths table adds "engine, CUDA graphs" (nanopack/decode_graphs.py: one graph per bucket of live
+replies, captured in the warm-up round) and every time is taken after torch.cuda.synchronize().
 """
 
 import argparse
@@ -49,8 +53,8 @@ from model import Transformer, config_from_preset  # noqa: E402
 def hf_generate(model, prompts, new_tokens):
     """transformers' generate on a left-padded batch -> the new tokens of each prompt."""
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=new_tokens,
                          eos_token_id=None, pad_token_id=0)  # no stop token: every row runs new_tokens steps
     return out[:, width:].tolist()
@@ -59,8 +63,8 @@ def hf_generate(model, prompts, new_tokens):
 def hf_generate_k(model, prompts, new_tokens, k):
     """transformers' generate, k sampled replies per prompt (num_return_sequences) -> the new tokens of each."""
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=k, temperature=1.0,
                          top_k=50, top_p=0.95, max_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0)
     return out[:, width:].tolist()
@@ -85,6 +89,11 @@ def generator_before():
     return module
 
 
+def sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 class Timed:
     """A callable timed on every call (its seconds summed): the decode step's split into model and sampling."""
 
@@ -94,6 +103,7 @@ class Timed:
     def __call__(self, *args, **kwargs):
         t0 = time.perf_counter()
         out = self.fn(*args, **kwargs)
+        sync()
         self.seconds += time.perf_counter() - t0
         return out
 
@@ -108,13 +118,13 @@ class StopPerRow(transformers.StoppingCriteria):
         self.width, self.limits = width, torch.tensor(limits)
 
     def __call__(self, input_ids, scores, **kwargs):
-        return input_ids.shape[1] - self.width >= self.limits
+        return input_ids.shape[1] - self.width >= self.limits.to(input_ids.device)
 
 
 def hf_generate_varied(model, prompts, limits, k, sampling):
     width = max(map(len, prompts))
-    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     stop = transformers.StoppingCriteriaList([StopPerRow(width, limits)])
     out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, num_return_sequences=k,
                          max_new_tokens=max(limits), stopping_criteria=stop, eos_token_id=None, pad_token_id=0,
@@ -141,6 +151,10 @@ def varied_table(ours, ref, args):
         "engine, compiled": lambda: compiled.generate(prompts, Sampling(limits, **sampling), k),
         "transformers generate": lambda: hf_generate_varied(ref, prompts, limits, k, sampling),
     }
+    if args.device == "cuda":  # one engine: its cache and graphs kept from call to call
+        graphs = Engine(ours, cuda_graphs=True)
+        methods["engine, CUDA graphs"] = lambda: graphs.generate(prompts, Sampling(limits, **sampling), k)
+    methods = {name: run for name, run in methods.items() if not any(x and x in name for x in args.skip.split(","))}
     if before is not None:
         before.sample = Timed(before.sample)
         gens = lambda: [torch.Generator().manual_seed(r) for r in range(n * k)]  # noqa: E731
@@ -155,8 +169,10 @@ def varied_table(ours, ref, args):
             for name, run in methods.items():
                 for timed in [model, *samplers]:
                     timed.seconds = 0.0
+                sync()
                 t0 = time.perf_counter()
                 run()
+                sync()
                 total = time.perf_counter() - t0
                 if total < best.get(name, 1e9):
                     best[name] = total
@@ -167,7 +183,7 @@ def varied_table(ours, ref, args):
           f"{sum(limits) / len(limits):.1f}, longest {max(limits)}")
     print("| method | seconds | tok/s | vs before | model s | sampling s | Python and the rest s |\n|---|---|---|---|---|---|---|")
     for name in methods:
-        parts = " | ".join(f"{x:.2f}" for x in split[name]) if "compiled" not in name and "transf" not in name \
+        parts = " | ".join(f"{x:.2f}" for x in split[name]) if "eager" in name or "before" in name \
             else "- | - | -"
         print(f"| {name} | {best[name]:.2f} | {sum(limits) / best[name]:.0f} | "
               f"{best.get(BEFORE_ROW, math.nan) / best[name]:.2f}x | {parts} |", flush=True)
@@ -189,6 +205,8 @@ def main():
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top_k", type=int, default=0)
     parser.add_argument("--top_p", type=float, default=1.0)
+    parser.add_argument("--device", default="cpu", help="cuda: the model in bfloat16, and the CUDA-graph row")
+    parser.add_argument("--skip", default="", help="the second table's methods left out, e.g. compiled,transformers")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -197,8 +215,10 @@ def main():
     with tempfile.TemporaryDirectory() as folder:  # the same weights, loaded by transformers
         save_pretrained(ours, folder)
         ref = transformers.AutoModelForCausalLM.from_pretrained(folder, attn_implementation="sdpa").float().eval()
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    ours, ref = ours.to(args.device, dtype), ref.to(args.device, dtype)
     V = ours.config.vocab_size
-    print(f"{args.preset} (random weights, {ours.num_params() / 1e6:.1f}M parameters), float32, "
+    print(f"{args.preset} (random weights, {ours.num_params() / 1e6:.1f}M parameters), {dtype}, {args.device}, "
           f"{torch.get_num_threads()} threads, torch {torch.__version__}, transformers {transformers.__version__}; "
           f"{args.new_tokens} new tokens, greedy")
 

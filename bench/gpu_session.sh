@@ -5,7 +5,8 @@
 #   3 compile a 1B SFT step compiled vs eager: graphs, recompiles (and why), compile s, tokens/s, MFU, peak
 #   4 dpo     DPO at the 1B shape, the same pairs: packed + prefix sharing vs transformers padded vs TRL's DPOTrainer;
 #             then train_dpo.py on step 2's model, reference cached and live
-#   5 rl      train_rl.py at the 1B shape (eager): generation tokens/s and a step; then on step 4's model, compiled
+#   5 rl      generation at the 1B shape: the engine eager vs CUDA graphs vs before vs transformers (bench_generate.py);
+#             train_rl.py at the 1B shape (eager): generation tokens/s and a step; then on step 4's model, compiled
 #   6 lora    full vs LoRA vs QLoRA at the 1B shape (bench_lora.py); a QLoRA train_sft.py run, compiled
 # Logs in $OUT (7 files): session.log (each command's exit code and time, the figures, what did not run), one per step.
 # On the GPU, through the device tool, after `bash bench/gpu_wheels.sh` here (trl, datasets, torchao travel as wheels),
@@ -31,6 +32,7 @@ CUDA=$($PY -c "import torch; print(int(torch.cuda.is_available()))" 2>/dev/null 
 if [ "$CUDA" = 1 ]; then
   budget=${1:-570} slack=1 SIZE=1b SHAPE=llama-3.2-1b TOKENS=8192
   SFT=() SHORT=(--max_iters=4)  # step 2 as the README runs it; the other script runs: a few steps each
+  GEN=(--device cuda --preset llama-3.2-1b --rounds 2 --skip compiled)  # step 5's generation table, bf16
   wheels="none in .whl/"
   if ls .whl/*.whl >/dev/null 2>&1; then  # what the machine lacks (bench/gpu_wheels.sh)
     if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -43,6 +45,7 @@ if [ "$CUDA" = 1 ]; then
 else  # the rehearsal: toy sizes, limits x3 for a shared CPU, one thread (two spin ~10x slower under load)
   budget=${1:-600} slack=3 SIZE=tiny SHAPE=toy TOKENS=256
   SFT=(--max_iters=30 --eval_examples=20) SHORT=(--max_iters=2 --eval_examples=10)
+  GEN=(--preset tiny --new_tokens 8 --k 2 --group_prompts 2 --rounds 1 --skip compiled,transformers)
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
   wheels="none without CUDA: this machine's own packages"
 fi
@@ -119,7 +122,9 @@ for m in map(json.loads, open(path)) if os.path.exists(path) else print(f"rl: no
               f"{n / m['gen_ms'] * 1e3:,.0f} tok/s; train {m['train_ms']:,.0f} ms")
 EOF
 }
-step5() {  # 32 prompts x 8 replies of up to 20 tokens a step (the defaults); random 1B weights never stop early, and
+step5() {  # generation alone first: the engine eager and as CUDA graphs, the generator before it, transformers
+  run 5_rl 60 $PY bench/bench_generate.py --batches "" "${GEN[@]}"
+  # 32 prompts x 8 replies of up to 20 tokens a step (the defaults); random 1B weights never stop early, and
   # all score 0: kl_coef > 0 trains every group anyway (with none, a group whose rewards are all equal is left out)
   run 5_rl 130 $PY train_rl.py --init_from=scratch --preset=$SHAPE --out_dir="$R/rl_$SHAPE" --overwrite=True \
     --max_iters=2 --eval_examples=0 --compile=False --kl_coef=0.01
@@ -127,7 +132,7 @@ step5() {  # 32 prompts x 8 replies of up to 20 tokens a step (the defaults); ra
   run 5_rl 45 env TORCH_LOGS=recompiles $PY train_rl.py --init_from="$(init "$R/dpo_cached/hf")" --out_dir="$R/rl" \
     --overwrite=True "${SHORT[@]}"
   rl_speed "$R/rl" 8
-  figures 5_rl "^model:|^RL:|^iter [0-9]+/|held-out|Error|error:"
+  figures 5_rl "^[0-9]+ prompts|^\| engine|^\| before|^\| transformers|^model:|^RL:|^iter [0-9]+/|held-out|Error|error:"
 }
 step6() {
   run 6_lora 45 $PY bench/bench_lora.py --shapes $SHAPE --tokens $TOKENS --steps 2

@@ -164,11 +164,12 @@ def test_gpu_session_rehearsal(tmp_path):
     device tool brings back)."""
     rc, log = session(tmp_path)
     commands = re.findall(r"^=== (\w+) rc=(\d+)", log, re.M)
-    assert rc == 0 and [rc for _, rc in commands] == ["0"] * 11, log
-    assert [s for s, _ in commands] == ["1_env"] * 2 + ["2_sft", "3_compile"] + ["4_dpo"] * 3 + ["5_rl", "5_rl"] + [
+    assert rc == 0 and [rc for _, rc in commands] == ["0"] * 12, log
+    assert [s for s, _ in commands] == ["1_env"] * 2 + ["2_sft", "3_compile"] + ["4_dpo"] * 3 + ["5_rl"] * 3 + [
         "6_lora"] * 2, log
     assert "skipped: no CUDA" in log and "needs a CUDA GPU" in log, log  # honest skips, not passes
     for figure in ("val accuracy", "| packed+compile |", "| packed+shared |", "| hf |", "| trl |", "generation",
+                   "| engine, eager |",
                    "| toy | qlora r=16 |", "LoRA r=16"):
         assert figure in log, figure
     assert not re.search(r"crashed|not installed|failed:|Traceback", log), log
