@@ -128,8 +128,8 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=Non
         at[q_at[real]] = done + np.flatnonzero(real)
         done += q_at.size
     out = torch.cat(outs)
-    # rows back in the stream's order (a sequence of no queries has none)
-    in_order = (at == np.arange(len(at))).all()
+    # rows back in the stream's order (a sequence of no queries has none), the pads dropped
+    in_order = done == len(at) and (at == np.arange(len(at))).all()
     return out if in_order else out.index_select(0, torch.tensor(at.tolist(), device=q.device))
 
 

@@ -31,6 +31,8 @@ CASES = {  # (query lengths, key lengths or None: the same), window
     "a window into the prompt": ([4, 2, 9, 1, 3, 6], [24, 22, 29, 11, 13, 7], 5),
     "a sequence of no queries": ([3, 0, 3, 2], [8, 4, 3, 2], None),
     "a long one alone": ([300, 3, 4], [300, 3, 6], None),
+    # already in the stream's order, the pads at the end: they must still be dropped (a DPO pair alone did this)
+    "in order with pads last": ([3, 2], [3, 5], None),
 }
 
 
