@@ -1,9 +1,10 @@
 """
 Causal attention over packed sequences where no varlen kernel runs (the CPU; float32 anywhere): the
-exact fallback behind model.varlen_attention. Sequences of alike lengths are padded into one SDPA
-call a group, so a step of 256 short replies is a few calls, not 256 (a Python loop per sequence
-was most of a small model's CPU step). A sequence whose queries are the last of its keys (a reply
-after its shared prompt, a context-parallel slice) is aligned at the bottom right.
+exact fallback behind model.varlen_attention. Short sequences of alike lengths are padded to one
+shape and run in one SDPA call a shape, so a step of 256 short replies is a few calls, not 256 (a
+Python loop per sequence was most of a small model's CPU step). A sequence whose queries are the
+last of its keys (a reply after its shared prompt, a context-parallel slice) is aligned at the
+bottom right.
 """
 import numpy as np
 import torch
@@ -16,23 +17,28 @@ MASK_ENTRIES = 2**24
 ALONE = 2**16
 
 
+def bucket(n):
+    """n rounded up to 1, 2, 3, 4, 6, 8, 12, 16, 24, ...: at most 1.5x, and from n alone."""
+    p = 1 << (n - 1).bit_length()
+    return 3 * p // 4 if n <= 3 * p // 4 else p
+
+
 def alike_groups(q_lens, k_lens, most=MASK_ENTRIES):
-    """Sequence indices in groups of alike sizes, smallest first: padding a group to its longest
-    queries and keys at most doubles its (query, key) pairs, and its mask stays under `most`
-    entries. A sequence of no queries, or of over ALONE pairs, is a group of its own."""
-    short = [0 < n and n * m <= ALONE for n, m in zip(q_lens, k_lens)]
-    order = sorted((i for i, s in enumerate(short) if s), key=lambda i: (q_lens[i] * k_lens[i],
-                                                                         q_lens[i]))
-    groups, group, pairs, lq, lk = [[i] for i, s in enumerate(short) if not s], [], 0, 0, 0
-    for i in order:
-        wq, wk = max(lq, q_lens[i]), max(lk, k_lens[i])
-        padded = (len(group) + 1) * wq * wk
-        if group and (padded > 2 * (pairs + q_lens[i] * k_lens[i]) or padded > most):
-            groups.append(group)
-            group, pairs, wq, wk = [], 0, q_lens[i], k_lens[i]
-        group.append(i)
-        pairs, lq, lk = pairs + q_lens[i] * k_lens[i], wq, wk
-    return groups + [group] * bool(group)
+    """Sequences grouped by their padded shape, (bucket(Lq), bucket(Lk)) -> [(indices, shape)], a
+    group in the stream's order, its mask under `most` entries (a larger one split). A shape
+    depends on its sequence alone, so a sequence's numbers do not depend on what else is in the
+    batch (one rank or eight give the same). A sequence of no queries, or of over ALONE pairs,
+    runs alone and unpadded (shape None)."""
+    groups, shapes = [], {}
+    for i, (n, m) in enumerate(zip(q_lens, k_lens)):
+        if 0 < n and n * m <= ALONE:
+            shapes.setdefault((bucket(n), bucket(m)), []).append(i)
+        else:
+            groups.append(([i], None))
+    for (n, m), members in sorted(shapes.items()):
+        per_call = max(most // (n * m), 1)
+        groups += [(members[j:j + per_call], (n, m)) for j in range(0, len(members), per_call)]
+    return groups
 
 
 def causal_mask(q_pos, k_len, window):
@@ -70,26 +76,27 @@ class BottomRight(torch.autograd.Function):
         return dqa + dqb, torch.cat([dka, dkb], 2), torch.cat([dva, dvb], 2)
 
 
-def layout(group, starts, lens, k_starts, k_lens):
-    """A group's padded rows, on the host: each row's query tokens (B, Lq), key tokens (B, Lk), each
-    query's place among its keys (B, Lq) and whether it is real (B, Lq). A pad repeats its
-    sequence's last query or key."""
+def layout(group, shape, starts, lens, k_starts, k_lens):
+    """A group's rows padded to shape (Lq, Lk) (None: its own lengths), on the host: each row's
+    query tokens (B, Lq), key tokens (B, Lk), each query's place among its keys (B, Lq) and whether
+    it is real (B, Lq). A pad repeats its sequence's last query or key."""
     s, n, ks, m = (np.array([x[i] for i in group])[:, None] for x in (starts, lens, k_starts,
                                                                      k_lens))
-    i = np.arange(n.max())
+    Lq, Lk = shape or (n.max(), m.max())
+    i = np.arange(Lq)
     last = np.minimum(i, n - 1)
-    return s + last, ks + np.minimum(np.arange(m.max()), m - 1), m - n + last, i < n
+    return s + last, ks + np.minimum(np.arange(Lk), m - 1), m - n + last, i < n
 
 
-def attend(q, k, v, place, window):
-    """q (B, H, Lq, D) over k/v (B, H, Lk, D), query i at place[b, i] among its keys. One sequence
-    goes without a mask where none is needed (a mask takes CPU's O(Lq x Lk) math path)."""
-    (B, _, Lq, _), Lk = q.shape, k.shape[2]
+def attend(q, k, v, place, window, alone):
+    """q (B, H, Lq, D) over k/v (B, H, Lk, D), query i at place[b, i] among its keys. A sequence
+    alone goes without a mask where none is needed (a mask takes CPU's O(Lq x Lk) math path)."""
+    Lq, Lk = q.shape[2], k.shape[2]
+    alone = alone and (window is None or Lk <= window)
     # 0 queries: SIGFPE
-    one = B == 1 and (window is None or Lk <= window)
-    if one and 0 < Lq < Lk and q.device.type == "cpu":
+    if alone and 0 < Lq < Lk and q.device.type == "cpu":
         return BottomRight.apply(q, k, v)
-    if one and Lq == Lk:
+    if alone and Lq == Lk:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     # SDPA's is_causal aligns at the top left; queries are the last Lq of the Lk keys
     mask = causal_mask(torch.tensor(place.tolist(), device=q.device), Lk, window)
@@ -108,22 +115,23 @@ def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=Non
     k_starts = starts if cu_seqlens_k is None else cu_seqlens_k.tolist()
     lens, k_lens = np.diff(starts).tolist(), np.diff(k_starts).tolist()
     groups = alike_groups(lens, k_lens)
-    rows = [layout(g, starts, lens, k_starts, k_lens) for g in groups]
+    rows = [layout(g, shape, starts, lens, k_starts, k_lens) for g, shape in groups]
     # K/V repeated (SDPA's enable_gqa takes a slow math path on CPU) before kv_index repeats rows
     k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
-    # each tensor in one gather, every group's rows padded (its backward fills one tensor its
-    # source's size: a gather or slice a group would fill one each)
+    # each tensor in one gather, every group's rows padded to its shape (its backward fills one
+    # tensor its source's size: a gather or slice a group would fill one each)
     q_at, k_at = ([r[i] for r in rows] for i in (0, 1))
     k_rows = host_index(k_at, q.device)
     k_rows = k_rows if kv_index is None else kv_index.index_select(0, k_rows)
     sizes = [a.size for a in k_at]
-    groups = zip(q.index_select(0, host_index(q_at, q.device)).split([a.size for a in q_at]),
-                 k.index_select(0, k_rows).split(sizes), v.index_select(0, k_rows).split(sizes))
+    gathered = zip(q.index_select(0, host_index(q_at, q.device)).split([a.size for a in q_at]),
+                   k.index_select(0, k_rows).split(sizes), v.index_select(0, k_rows).split(sizes))
     outs, at, done = [], np.empty(q.shape[0], dtype=np.int64), 0
-    for (qi, ki, vi), (q_at, k_at, place, real) in zip(groups, rows):
+    for (qi, ki, vi), (q_at, k_at, place, real), (_, shape) in zip(gathered, rows, groups):
         qi, ki, vi = (t.unflatten(0, x.shape).transpose(1, 2) for t, x in ((qi, q_at), (ki, k_at),
                                                                            (vi, k_at)))
-        outs.append(attend(qi, ki, vi, place, sliding_window).transpose(1, 2).flatten(0, 1))
+        y = attend(qi, ki, vi, place, sliding_window, alone=shape is None)
+        outs.append(y.transpose(1, 2).flatten(0, 1))
         # where each token's output is (a pad's is dropped)
         at[q_at[real]] = done + np.flatnonzero(real)
         done += q_at.size

@@ -85,7 +85,7 @@ class KVCache:
         SDPA call per group of alike lengths (attention.alike_groups: one long observation pads no
         short ones)."""
         out, lengths = torch.empty_like(q), cu.diff().tolist()
-        for group in alike_groups(lengths, [self.length] * len(lengths)):
+        for group, _ in alike_groups(lengths, [self.length] * len(lengths)):
             if lengths[group[0]]:
                 self.group_attention(q, k_buf, v_buf, cu, group, out)
         return out

@@ -28,11 +28,11 @@ def reference(q, k, v, q_lens, k_lens, window):
 CASES = {  # (query lengths, key lengths or None: the same), window
     "packed SFT rows, alike and not": ([3, 5, 4, 4, 60, 1, 7, 6], None, None),
     "replies after their prompts": ([4, 2, 9, 1, 3, 3, 30], [24, 22, 29, 11, 13, 13, 31], None),
-    "a window into the prompt": ([4, 2, 9, 1, 3, 6], [24, 22, 29, 11, 13, 7], 5),
-    "a sequence of no queries": ([3, 0, 3, 2], [8, 4, 3, 2], None),
-    "a long one alone": ([300, 3, 4], [300, 3, 6], None),
+    "a window into the prompt": ([4, 3, 3, 9, 1, 6], [24, 22, 20, 29, 11, 7], 5),
+    "a sequence of no queries": ([3, 0, 3, 2], [8, 4, 7, 2], None),
+    "a long one alone": ([300, 3, 3], [300, 5, 6], None),
     # already in the stream's order, the pads at the end: they must still be dropped (a DPO pair alone did this)
-    "in order with pads last": ([3, 2], [3, 5], None),
+    "in order with pads last": ([3, 5, 5], [3, 5, 6], None),
 }
 
 
@@ -49,7 +49,7 @@ def test_grouped_attention_equals_each_sequence_alone(monkeypatch, case, kv_head
     seen = []
     monkeypatch.setattr(A, "alike_groups", lambda *a: seen.extend(groups := alike(*a)) or groups)
     out = A.sdpa_per_sequence(q, k, v, cu_q, window, None if k_lens is q_lens else cu_k)
-    assert sorted(len(g) for g in seen)[-1] > 1 and sorted(s for g in seen for s in g) == list(range(len(q_lens)))
+    assert max(len(g) for g, _ in seen) > 1 and sorted(s for g, _ in seen for s in g) == list(range(len(q_lens)))
     expected = reference(q, k, v, q_lens, k_lens, window)
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
     g = torch.randn_like(out)
@@ -58,20 +58,49 @@ def test_grouped_attention_equals_each_sequence_alone(monkeypatch, case, kv_head
 
 
 
-def test_groups_pad_at_most_double_and_bound_the_mask():
-    """Every sequence in exactly one group; a group of several pads its (query, key) pairs at most 2x and its mask
-    stays under the bound; the 60-token row among short ones runs alone, and so does one of over ALONE pairs."""
+def test_groups_pad_each_sequence_to_a_shape_of_its_own():
+    """Every sequence in exactly one group; a sequence's padded shape is its lengths' buckets (at most 1.5x each, from
+    its own lengths), a group's mask stays under the bound; one of over ALONE pairs, and one of no queries, alone."""
     rng = np.random.default_rng(0)
-    q_lens = rng.integers(1, 40, 300).tolist() + [60, 0, 300]
+    q_lens = rng.integers(1, 40, 300).tolist() + [0, 300]
     k_lens = [n + int(rng.integers(0, 30)) for n in q_lens]
     groups = alike(q_lens, k_lens, most=4000)
-    assert sorted(s for g in groups for s in g) == list(range(len(q_lens)))
-    for g in groups:
-        padded = len(g) * max(q_lens[s] for s in g) * max(k_lens[s] for s in g)
-        if len(g) > 1:
-            assert padded <= 2 * sum(q_lens[s] * k_lens[s] for s in g) and padded <= 4000
-    assert [300] in groups and [301] in groups and [302] in groups  # the long rows alone; no queries on its own
-    assert max(len(g) for g in groups) > 5  # short rows do share calls
+    assert sorted(s for g, _ in groups for s in g) == list(range(len(q_lens)))
+    for g, shape in groups:
+        if shape is None:
+            assert g in ([300], [301])
+            continue
+        assert len(g) == 1 or len(g) * shape[0] * shape[1] <= 4000
+        for s in g:
+            assert shape == (A.bucket(q_lens[s]), A.bucket(k_lens[s]))
+            assert q_lens[s] <= shape[0] <= 1.5 * q_lens[s] and k_lens[s] <= shape[1] <= 1.5 * k_lens[s]
+    assert ([300], None) in groups and ([301], None) in groups and max(len(g) for g, _ in groups) > 5
+    assert [A.bucket(n) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+
+
+def test_a_sequences_numbers_do_not_depend_on_the_batch():
+    """A sequence's outputs and gradients are the same bit for bit whatever else is in the batch (its padded shape is
+    its own): what lets one rank and eight, or a resumed run, sample and train alike."""
+    torch.manual_seed(0)
+    q_lens, k_lens = [5, 9, 3, 5, 17, 2], [30, 9, 20, 12, 40, 2]
+    H, D = 4, 8
+
+    q = torch.randn(sum(q_lens), H, D)
+    k, v = torch.randn(sum(k_lens), 2, D), torch.randn(sum(k_lens), 2, D)
+
+    def run(keep):
+        starts, k_starts = np.cumsum([0] + q_lens), np.cumsum([0] + k_lens)
+        pick = lambda t, st, i: t[st[i]:st[i + 1]]  # noqa: E731
+        qs, ks, vs = (torch.cat([pick(t, st, i) for i in keep]).requires_grad_()
+                      for t, st in ((q, starts), (k, k_starts), (v, k_starts)))
+        cu_q, cu_k = (torch.tensor(np.cumsum([0] + [x[i] for i in keep]), dtype=torch.int32) for x in (q_lens, k_lens))
+        out = A.sdpa_per_sequence(qs, ks, vs, cu_q, None, cu_k)
+        out.square().sum().backward()
+        first = slice(0, q_lens[keep[0]])  # the first kept sequence's rows
+        return out[first], qs.grad[first], ks.grad[:k_lens[keep[0]]]
+
+    for a, b in zip(run([3, 0, 1, 2, 4, 5]), run([3])):
+        assert torch.equal(a, b)
 
 
 def test_keys_read_through_kv_index():

@@ -83,14 +83,14 @@ def test_a_refilled_slot_never_sees_the_last_replys_cache(config):
 def test_continuing_a_live_slot_equals_generating_from_the_whole_chat(config):
     """Multi-turn: observations appended to finished replies' slots, read in one more prefill, then more tokens:
     greedy, the same tokens as a fresh generation from prompt + reply + observation (float32; margins decide). Three
-    replies, observations of 3, 1 and 14 tokens: the long one is read in its own attention call, the two short ones
-    together (each call pads its sequences to its longest)."""
+    replies, observations of 4, 5 and 14 tokens (each read after its reply's last token): the long one is read in its own
+    attention call, the two short ones together (each call pads its sequences to its longest)."""
     model = random_model(**CACHE_CONFIGS[config])
     engine, sampling = Engine(model, keep_slots=True), Sampling(5)
     replies = engine.generate(PROMPTS, sampling, 2, capacity=40)
     # replies of different prompts, observations of different lengths, one prefill
     picked = (3, 0, 5)
-    chosen, observations = [replies[i] for i in picked], [[7, 8, 9], [11], list(range(20, 34))]
+    chosen, observations = [replies[i] for i in picked], [[7, 8, 9, 10], list(range(11, 16)), list(range(20, 34))]
     first_turns = [list(r.tokens) for r in chosen]
     groups = []
     group_attention = KVCache.group_attention
