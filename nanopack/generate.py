@@ -20,17 +20,20 @@ M32 = 0xFFFFFFFF
 
 
 class KVCache:
-    """Per layer a buffer (slots, Hkv, capacity, D), slot s holding one sequence's keys (values) at
-    their positions. Each forward calls begin() once, then each layer attend(). Set by the caller:
-    `rows` (B,), each sequence's slot (default 0..B-1), and `continuing`, whether a prefill appends
-    to live slots. A prefill from position 0 attends within the packed stream, as without a cache; a
-    decode step (one new token per row) over its slot's positions 0..position, all rows in one SDPA
-    call; a continuation (tokens appended to live slots) over their slots, one call a group of
-    alike lengths."""
+    """Per layer a buffer (slots, Hkv, capacity + spare, D), slot s holding one sequence's keys
+    (values) at their positions. Each forward calls begin() once, then each layer attend(). Set by
+    the caller: `rows` (B,), each sequence's slot (default 0..B-1); `continuing`, whether a prefill
+    appends to live slots; `columns` (B,), where a decode step's tokens are written and read up to
+    (default their positions; CUDA graphs send their pads to the spare column past `capacity`). A
+    prefill from position 0 attends within the packed stream, as without a cache; a decode step
+    (one new token per row) over its slot's positions 0..position, all rows in one SDPA call; a
+    continuation (tokens appended to live slots) over their slots, one call a group of alike
+    lengths."""
 
-    def __init__(self, slots, capacity):
-        self.slots, self.capacity, self.rows, self.continuing = slots, capacity, None, False
-        # per layer (slots, Hkv, capacity, D), made at the first write, in k's dtype
+    def __init__(self, slots, capacity, spare=0):
+        self.slots, self.capacity, self.spare = slots, capacity, spare
+        self.rows, self.continuing, self.columns = None, False, None
+        # per layer (slots, Hkv, capacity + spare, D), made at the first write, in k's dtype
         self.k, self.v = [], []
 
     def begin(self, position_ids, cu_seqlens, max_seqlen, sliding_window):
@@ -43,12 +46,13 @@ class KVCache:
         self.decoding = T == B
         self.rows_of = slot  # (B,)
         self.slot = torch.repeat_interleave(slot, cu_seqlens.diff(), output_size=T)  # (T,)
-        self.pos, self.length, self.window = position_ids, max_seqlen, sliding_window
+        self.pos = position_ids if self.columns is None else self.columns
+        self.length, self.window = max_seqlen, sliding_window
         # rows 0..B-1 in order: the buffers' first rows are a view, not a copy
         self.in_order = self.rows is None
         key_pos = torch.arange(max_seqlen, device=device)
         if self.decoding:
-            self.mask = self.sees(key_pos, position_ids)[:, None, None, :]  # (B, 1, 1, L)
+            self.mask = self.sees(key_pos, self.pos)[:, None, None, :]  # (B, 1, 1, L)
 
     def sees(self, key_pos, query_pos):
         """(Q, L) causal (and windowed): unwritten or stale slots lie past each position."""
@@ -62,7 +66,7 @@ class KVCache:
     @torch.compiler.disable
     def attend(self, q, k, v, cu_seqlens, max_seqlen, sliding_window):
         if self.layer == len(self.k):
-            shape = (self.slots, k.shape[1], self.capacity, k.shape[2])
+            shape = (self.slots, k.shape[1], self.capacity + self.spare, k.shape[2])
             self.k.append(k.new_zeros(shape))
             self.v.append(v.new_zeros(shape))
         k_buf, v_buf = self.k[self.layer], self.v[self.layer]
@@ -266,12 +270,13 @@ class Engine:
 
     def cache_for(self, slots, capacity):
         """A new KV cache, or with CUDA graphs the last one where it holds the call (its graphs
-        read it): one more slot, the pads' scratch, its capacity in steps of 64 positions."""
+        read it): slots up to the largest bucket's, a spare column for the pads, its capacity in
+        steps of 64 positions."""
         if self.capture is None:
             return KVCache(slots, capacity)
-        cache = self.cache
-        if cache is None or cache.slots != slots + 1 or cache.capacity < capacity:
-            cache = KVCache(slots + 1, min(-(-capacity // 64) * 64, self.positions))
+        cache, most = self.cache, 1 << (slots - 1).bit_length()
+        if cache is None or cache.slots != most or cache.capacity < capacity:
+            cache = KVCache(most, min(-(-capacity // 64) * 64, self.positions), spare=1)
             self.graphs = DecodeGraphs(self.model, cache, self.capture)
         return cache
 
@@ -400,7 +405,7 @@ class Engine:
             # slots 0..B-1 in order: the cache reads its buffers' first rows as a view
             in_order = slots is None or slots == list(range(len(slots)))
             self.cache.rows = None if in_order else torch.tensor(slots, device=self.device)
-            self.cache.continuing = any(starts)
+            self.cache.continuing, self.cache.columns = any(starts), None
         # through forward, not the trunk directly, so that FSDP2's root hooks gather the embeddings
         # and head
         model = self.model if model is None else model

@@ -18,13 +18,15 @@ class Recorder:
     counted per bucket."""
 
     def __init__(self):
-        self.replays, self.captured = {}, []
+        self.replays, self.captured, self.recordings = {}, [], []
 
-    def __call__(self, step):
+    def __call__(self, step, pool):
+        assert pool is None  # a memory pool only on CUDA
         recorded = make_fx(step)()
         out = recorded()
         bucket = len(out)
         self.captured.append(bucket)
+        self.recordings.append(recorded)
 
         def replay():
             self.replays[bucket] = self.replays.get(bucket, 0) + 1
@@ -49,18 +51,34 @@ def test_replayed_steps_give_the_eager_engines_replies():
     assert len(recorder.captured) >= 2 and sum(recorder.replays.values()) > 2 * 8
 
 
+def test_replayed_steps_read_the_cache_in_place():
+    """The live replies are the cache's first rows: a step reads them as a view. A gather (rows as an index) would
+    copy every layer's K and V over the whole capacity at each step."""
+    model = random_model()
+    recorder = Recorder()
+    engine = Engine(model, cuda_graphs=True, capture=recorder)
+    engine.generate(PROMPTS, SAMPLED, 3)
+    buffer = tuple(engine.cache.k[0].shape)
+    assert buffer[0] == 16 and buffer[2] == engine.cache.capacity + 1  # the largest bucket's rows, a spare column
+    for recorded in recorder.recordings:
+        read = [tuple(node.args[0].meta["val"].shape) for node in recorded.graph.nodes
+                if node.target in (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default)]
+        # RoPE's tables and the head's rows are gathered, never the cache's rows (slots, Hkv, ...)
+        assert read and not [shape for shape in read if shape[:2] == buffer[:2] and len(shape) == 4]
+
+
 def test_pads_leave_kept_slots_alone():
-    """Multi-turn: the pads of a bucket write a scratch slot, never a kept reply's; continuing two of six replies
-    (their four neighbours kept, finished) equals generating from the whole chat."""
+    """Multi-turn: the pads of a bucket write a spare column, never a kept reply's positions (six replies, five
+live pad three rows of a bucket of 8, two of them kept replies'); continuing each equals the eager engine's."""
     model = random_model()
     engine = Engine(model, keep_slots=True, cuda_graphs=True, capture=Recorder())
     eager = Engine(model, keep_slots=True)
     runs = []
     for e in (engine, eager):
-        replies = e.generate(PROMPTS[:3], Sampling(6), 2, capacity=40)
-        chosen = [replies[1], replies[4]]
-        e.extend(chosen, [[7, 8, 9], [11]], [5, 3], Sampling(6))
+        replies = e.generate(PROMPTS[:3], SAMPLED, 2, capacity=40)
+        e.extend(replies, [[7, 8, 9], [11], [4], [12, 13], [6], [3]], [5, 3, 4, 2, 6, 1], SAMPLED)
         runs.append([r.tokens for r in replies])
+    assert len({len(t) for t in runs[1]}) > 2  # replies ended at different steps: pads ran beside kept slots
     assert runs[0] == runs[1]
 
 
