@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 
 from nanopack import kernels
-from nanopack.attention import sdpa_per_sequence
+from nanopack.attention import grouped_sdpa
 
 try:
     from flash_attn import flash_attn_varlen_func
@@ -213,7 +213,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_se
     attending to key segment i aligned at the bottom right (as flash-attn)."""
     backend = attention_backend(q.device, q.dtype)
     if backend == "sdpa":  # it reads k[kv_index] in its own gather
-        return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k, kv_index)
+        return grouped_sdpa(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k, kv_index)
     if kv_index is not None:  # gradients add back into the prompt's rows
         k, v = k.index_select(0, kv_index), v.index_select(0, kv_index)
     left = -1 if sliding_window is None else sliding_window - 1  # tokens seen before the query
@@ -231,7 +231,7 @@ def varlen_attention(q, k, v, cu_seqlens, max_seqlen, sliding_window=None, cu_se
             # a release whose varlen_attn takes as many K/V heads as query heads
             k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
         return varlen_attn(q, k, v, cu_seqlens, cu_k, max_seqlen, max_k, **causal)
-    return sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k)
+    return grouped_sdpa(q, k, v, cu_seqlens, sliding_window, cu_seqlens_k)
 
 
 class Attention(nn.Module):

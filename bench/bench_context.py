@@ -15,7 +15,7 @@ all-gathered (K and V, forward) and reduce-scattered (their gradients, backward)
     python bench/bench_context.py --tokens 16384           # the issue's 16k tokens (attention 4x: slow on CPU)
     python bench/bench_context.py --tokens 512 --n_layer 1 --steps 1   # seconds; what the smoke test runs
 
-On CPU the attention fallback (model.sdpa_per_sequence) gives a piece whose queries are not its keys an explicit
+On CPU the attention fallback (model.grouped_sdpa) gives a piece whose queries are not its keys an explicit
 (Lq, Lk) float mask and repeats K/V for GQA, and scores every block of it: its memory ("saved by CPU attention") and
 time grow under CP where a flash kernel's would not; they are reported apart.
 """
@@ -105,7 +105,7 @@ def worker(args):
     mb = cp.split(make_batch(one_sequence(args.tokens), [0]))
     times, peaks, saved, in_attention = [], [], ({}, {}), [False]
     weights = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    attend = M.sdpa_per_sequence
+    attend = M.grouped_sdpa
 
     def tagged(*a, **kw):  # what the CPU attention saves (its masks, K/V repeated for GQA) is told apart
         in_attention[0] = True
@@ -113,7 +113,7 @@ def worker(args):
             return attend(*a, **kw)
         finally:
             in_attention[0] = False
-    M.sdpa_per_sequence = tagged
+    M.grouped_sdpa = tagged
 
     def keep(t):  # activations only: the weights a linear layer saves are the model's own
         if t.untyped_storage().data_ptr() not in weights:

@@ -105,7 +105,7 @@ def attend(q, k, v, place, window, alone):
 
 # a Python loop over a data-dependent number of groups: run eagerly, never traced
 @torch.compiler.disable
-def sdpa_per_sequence(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=None, kv_index=None):
+def grouped_sdpa(q, k, v, cu_seqlens, sliding_window=None, cu_seqlens_k=None, kv_index=None):
     """Exact causal attention within each sequence: q (T, Hq, D), k/v (Tk, Hkv, D) (with kv_index:
     k[kv_index]) -> (T, Hq, D), one SDPA call per group of alike sequences (alike_groups), memory
     O(max L^2), not O(T^2)."""

@@ -48,7 +48,7 @@ def test_grouped_attention_equals_each_sequence_alone(monkeypatch, case, kv_head
     cu_q, cu_k = (torch.tensor(np.cumsum([0] + x), dtype=torch.int32) for x in (q_lens, k_lens))
     seen = []
     monkeypatch.setattr(A, "alike_groups", lambda *a: seen.extend(groups := alike(*a)) or groups)
-    out = A.sdpa_per_sequence(q, k, v, cu_q, window, None if k_lens is q_lens else cu_k)
+    out = A.grouped_sdpa(q, k, v, cu_q, window, None if k_lens is q_lens else cu_k)
     assert max(len(g) for g, _ in seen) > 1 and sorted(s for g, _ in seen for s in g) == list(range(len(q_lens)))
     expected = reference(q, k, v, q_lens, k_lens, window)
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
@@ -94,7 +94,7 @@ def test_a_sequences_numbers_do_not_depend_on_the_batch():
         qs, ks, vs = (torch.cat([pick(t, st, i) for i in keep]).requires_grad_()
                       for t, st in ((q, starts), (k, k_starts), (v, k_starts)))
         cu_q, cu_k = (torch.tensor(np.cumsum([0] + [x[i] for i in keep]), dtype=torch.int32) for x in (q_lens, k_lens))
-        out = A.sdpa_per_sequence(qs, ks, vs, cu_q, None, cu_k)
+        out = A.grouped_sdpa(qs, ks, vs, cu_q, None, cu_k)
         out.square().sum().backward()
         first = slice(0, q_lens[keep[0]])  # the first kept sequence's rows
         return out[first], qs.grad[first], ks.grad[:k_lens[keep[0]]]
@@ -115,7 +115,7 @@ def test_keys_read_through_kv_index():
     kv_index = torch.tensor(list(range(P)) + [i for a, b in zip(rest[:-1], rest[1:]) for i in [*range(P), *range(a, b)]])
     q_lens, k_lens = [P] + R, [P] + [P + r for r in R]
     cu_q, cu_k = (torch.tensor(np.cumsum([0] + x), dtype=torch.int32) for x in (q_lens, k_lens))
-    out = A.sdpa_per_sequence(q, k, v, cu_q, None, cu_k, kv_index)
+    out = A.grouped_sdpa(q, k, v, cu_q, None, cu_k, kv_index)
     expected = reference(q, k[kv_index], v[kv_index], q_lens, k_lens, None)
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
     g = torch.randn_like(out)

@@ -54,7 +54,7 @@ def stand_in(kind, config, calls, shared=False):
         else:  # no window in this release: a sliding-window model never reaches it
             assert not args and kw == dict(is_causal=True) and config.sliding_window is None, kw
         calls.append(kind)
-        return M.sdpa_per_sequence(q, k, v, cu_q, config.sliding_window, cu_k)
+        return M.grouped_sdpa(q, k, v, cu_q, config.sliding_window, cu_k)
     return fake
 
 
@@ -144,7 +144,7 @@ def test_real_kernels_align_causal_at_the_bottom_right(monkeypatch):
     q = torch.randn(sum(lens_q), 8, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.randn(sum(lens_k), 2, 64, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     for window in (None, 7):
-        ref = M.sdpa_per_sequence(q.float(), k.float(), v.float(), cu_q, window, cu_k)
+        ref = M.grouped_sdpa(q.float(), k.float(), v.float(), cu_q, window, cu_k)
         for name in [n for n in ("flash_attn", "torch_varlen") if (M.flash_attn_varlen_func if n == "flash_attn"
                                                                    else M.varlen_attn) is not None]:
             monkeypatch.setitem(M._ATTN_BACKEND, "cuda", name)

@@ -114,7 +114,7 @@ def test_window_reaches_into_the_prompt():
     q = torch.randn(R, H, D, dtype=torch.float64)
     k, v = torch.randn(P + R, H, D, dtype=torch.float64), torch.randn(P + R, H, D, dtype=torch.float64)
     cu_q, cu_k = torch.tensor([0, R], dtype=torch.int32), torch.tensor([0, P + R], dtype=torch.int32)
-    out = M.sdpa_per_sequence(q, k, v, cu_q, W, cu_k)
+    out = M.grouped_sdpa(q, k, v, cu_q, W, cu_k)
     q_pos, k_pos = torch.arange(P, P + R)[:, None], torch.arange(P + R)[None, :]
     sees = (k_pos <= q_pos) & (k_pos > q_pos - W)
     scores = torch.einsum("qhd,khd->hqk", q, k) / D ** 0.5
@@ -135,7 +135,7 @@ def test_bottom_right_attention_on_cpu(R, P):
     sees = torch.arange(P + R)[None, :] <= torch.arange(P, P + R)[:, None]
     scores = torch.einsum("qhd,khd->hqk", q, k) / D ** 0.5
     expected = torch.einsum("hqk,khd->qhd", scores.masked_fill(~sees, -torch.inf).softmax(-1), v)
-    out = M.sdpa_per_sequence(q, k, v, cu_q, None, cu_k)
+    out = M.grouped_sdpa(q, k, v, cu_q, None, cu_k)
     torch.testing.assert_close(out, expected, atol=1e-12, rtol=0)
     g = torch.randn_like(out)
     for a, b in zip(torch.autograd.grad(out, (q, k, v), g), torch.autograd.grad(expected, (q, k, v), g)):
