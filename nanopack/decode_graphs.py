@@ -1,7 +1,7 @@
 """
 The decode step as CUDA graphs (generate.Engine(cuda_graphs=True)): at a small batch a GPU decode
 step is a few hundred kernel launches, each costing more than its work, and a graph replays them as
-one. One graph per batch-size bucket (powers of two up to the engine's slots); a step's n live
+one. One graph per batch-size bucket (powers of two, and the engine's slots); a step's n live
 replies (compacted into slots 0..n-1) run in the smallest bucket that holds them, the bucket's other
 rows pads that write a spare column past the cache's capacity, which no reply reads. A graph reads
 its inputs from static buffers, filled before each replay, and the KV cache (its first rows, a
@@ -31,8 +31,8 @@ def cuda_capture(step, pool):
 
 
 class DecodeGraphs:
-    """A captured decode step per bucket of live replies, over `cache` (a generate.KVCache of as
-    many slots as the largest bucket and one spare column). capture(step, pool) -> (replay,
+    """A captured decode step per bucket of live replies, over `cache` (a generate.KVCache of one
+    spare column, its slots the largest bucket). capture(step, pool) -> (replay,
     output): CUDA graphs, or in a test a stand-in that records the step's ops and replays them
     without running Python."""
 
@@ -52,7 +52,7 @@ class DecodeGraphs:
         """One new token's logits (n, V) for each of n live replies in slots 0..n-1: tokens and
         positions (host lists) copied into the buffers, the bucket's graph replayed."""
         n = len(tokens)
-        bucket = 1 << (n - 1).bit_length()
+        bucket = min(1 << (n - 1).bit_length(), self.cache.slots)
         fill = torch.tensor([tokens, positions, positions], device=self.ids.device)
         # a pad: token 0 at position 0, written to (and reading up to) the spare column
         for buf, values, pad in zip((self.ids, self.pos, self.columns), fill,

@@ -270,13 +270,12 @@ class Engine:
 
     def cache_for(self, slots, capacity):
         """A new KV cache, or with CUDA graphs the last one where it holds the call (its graphs
-        read it): slots up to the largest bucket's, a spare column for the pads, its capacity in
-        steps of 64 positions."""
+        read it): a spare column for the pads, its capacity in steps of 64 positions."""
         if self.capture is None:
             return KVCache(slots, capacity)
-        cache, most = self.cache, 1 << (slots - 1).bit_length()
-        if cache is None or cache.slots != most or cache.capacity < capacity:
-            cache = KVCache(most, min(-(-capacity // 64) * 64, self.positions), spare=1)
+        cache = self.cache
+        if cache is None or cache.slots != slots or cache.capacity < capacity:
+            cache = KVCache(slots, min(-(-capacity // 64) * 64, self.positions), spare=1)
             self.graphs = DecodeGraphs(self.model, cache, self.capture)
         return cache
 
@@ -286,6 +285,14 @@ class Engine:
         appended tokens, which were not sampled)."""
         for r, tokens, n in zip(replies, observations, more):
             assert r.slot is not None or not self.kv_cache, "extend() needs keep_slots=True"
+            # the last position fed: past the capacity it would land in no slot (or the spare)
+            need = min(len(r.prompt) + len(r.tokens) + len(tokens) + max(n, 1) - 1,
+                       self.positions - 1)
+            if self.kv_cache and need > self.cache.capacity:
+                raise ValueError(f"extend: a reply of {len(r.prompt) + len(r.tokens)} tokens, "
+                                 f"{len(tokens)} appended and up to {n} new ones needs {need} "
+                                 f"cache positions, the cache has {self.cache.capacity}: give "
+                                 f"generate() capacity= the longest whole conversation")
             r.tokens += tokens
             r.logprobs += [float("nan")] * len(tokens)
             r.max_new_tokens, r.done = len(r.tokens) + n, False

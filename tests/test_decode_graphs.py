@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from nanopack.decode_graphs import DecodeGraphs
 from nanopack.generate import Engine, Sampling
 from test_sample import PROMPTS, random_model
 
@@ -46,8 +47,8 @@ def test_replayed_steps_give_the_eager_engines_replies():
             torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
     lengths = {len(r.tokens) for r in want}
     assert len(lengths) > 2  # replies end at different steps: the live count shrinks through the buckets
-    # 12 replies: buckets of 16 and below, each captured once, replayed in both calls
-    assert sorted(set(recorder.captured)) == sorted(recorder.captured) and max(recorder.captured) == 16
+    # 12 replies: buckets of 1, 2, 4, 8 and the slots' 12, each captured once, replayed in both calls
+    assert sorted(set(recorder.captured)) == sorted(recorder.captured) and max(recorder.captured) == 12
     assert len(recorder.captured) >= 2 and sum(recorder.replays.values()) > 2 * 8
 
 
@@ -59,7 +60,7 @@ def test_replayed_steps_read_the_cache_in_place():
     engine = Engine(model, cuda_graphs=True, capture=recorder)
     engine.generate(PROMPTS, SAMPLED, 3)
     buffer = tuple(engine.cache.k[0].shape)
-    assert buffer[0] == 16 and buffer[2] == engine.cache.capacity + 1  # the largest bucket's rows, a spare column
+    assert buffer[0] == 12 and buffer[2] == engine.cache.capacity + 1  # a row a slot, a spare column
     for recorded in recorder.recordings:
         read = [tuple(node.args[0].meta["val"].shape) for node in recorded.graph.nodes
                 if node.target in (torch.ops.aten.index.Tensor, torch.ops.aten.index_select.default)]
@@ -67,9 +68,20 @@ def test_replayed_steps_read_the_cache_in_place():
         assert read and not [shape for shape in read if shape[:2] == buffer[:2] and len(shape) == 4]
 
 
-def test_pads_leave_kept_slots_alone():
-    """Multi-turn: the pads of a bucket write a spare column, never a kept reply's positions (six replies, five
-live pad three rows of a bucket of 8, two of them kept replies'); continuing each equals the eager engine's."""
+def test_pads_leave_kept_slots_alone(monkeypatch):
+    """Multi-turn: the pads of a bucket write a spare column, never a kept reply's positions (six replies: five
+live pad a bucket of 6, three a bucket of 4, with kept replies' rows): at every step the rows past the live ones are
+unchanged below the capacity, and continuing each reply equals the eager engine's."""
+    step, touched, steps = DecodeGraphs.step, [], []
+
+    def checked(graphs, tokens, positions):
+        n, cache = len(tokens), graphs.cache
+        before = [b[n:, :, :cache.capacity].clone() for b in cache.k + cache.v]
+        out = step(graphs, tokens, positions)
+        touched.extend(not torch.equal(a, b[n:, :, :cache.capacity]) for a, b in zip(before, cache.k + cache.v))
+        steps.append(n)
+        return out
+    monkeypatch.setattr(DecodeGraphs, "step", checked)
     model = random_model()
     engine = Engine(model, keep_slots=True, cuda_graphs=True, capture=Recorder())
     eager = Engine(model, keep_slots=True)
@@ -79,7 +91,24 @@ live pad three rows of a bucket of 8, two of them kept replies'); continuing eac
         e.extend(replies, [[7, 8, 9], [11], [4], [12, 13], [6], [3]], [5, 3, 4, 2, 6, 1], SAMPLED)
         runs.append([r.tokens for r in replies])
     assert len({len(t) for t in runs[1]}) > 2  # replies ended at different steps: pads ran beside kept slots
+    assert {3, 5} <= set(steps) and touched and not any(touched)
     assert runs[0] == runs[1]
+
+
+def test_extend_past_the_cache_is_one_clear_error():
+    """An observation and budget the cache cannot hold: an error naming the sizes, not a pad's spare column
+    written by a real reply (a silent wrong log-prob) or an index out of bounds."""
+    model = random_model(max_seq_len=256)  # room past the caches: 24 positions eager, 64 (rounded up) in graphs
+    for engine in (Engine(model, keep_slots=True, cuda_graphs=True, capture=Recorder()),
+                   Engine(model, keep_slots=True)):
+        replies = engine.generate(PROMPTS[:1], Sampling(4), 1, capacity=24)
+        capacity, used = engine.cache.capacity, len(replies[0].prompt) + len(replies[0].tokens)
+        fits = [7] * (capacity - used - 2)  # its 3 new tokens end at the last position: fine
+        engine.extend(replies, [fits], [3], Sampling(4))
+        used = len(replies[0].prompt) + len(replies[0].tokens)
+        assert used == capacity + 1  # the last token sampled, not yet read
+        with pytest.raises(ValueError, match=f"needs {used + 1} cache positions, the cache has {capacity}"):
+            engine.extend(replies, [[7]], [1], Sampling(4))
 
 
 def test_graphs_refuse_what_they_cannot_replay():
