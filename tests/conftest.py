@@ -6,9 +6,17 @@ import subprocess
 import sys
 import time
 
-import numpy as np
-import pytest
-import torch
+# `pytest -n 2` (README): each worker, and every script it launches, runs torch on one thread; two workers' thread
+# pools on two cores spin against each other (two 2-thread runs side by side were ~3x slower than one after the other)
+if "PYTEST_XDIST_WORKER" in os.environ:
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+if "PYTEST_XDIST_WORKER" in os.environ:
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 @pytest.fixture(autouse=True)
